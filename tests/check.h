@@ -1,0 +1,83 @@
+/* check.h - the smallest test framework that reads like a specification.
+
+   TEST(name) { CHECK(x == 1, "x is %d", x); }      defines and registers a test
+   int main(void) { return uly_run_tests(); }       runs them in order
+
+   Each test prints one line, "ok   name" or "FAIL name" followed by the failed checks; the last
+   line is "N passed, M failed", which Makefile's summary adds up over all test programs.
+   Works in C99 and C++ (the emulated CUDA tests are C++). Registration uses a constructor
+   attribute so tests need no hand-kept list. */
+#ifndef ULY_CHECK_H
+#define ULY_CHECK_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*uly_test_fn)(void);
+typedef struct { const char *name; uly_test_fn fn; } uly_test_entry;
+
+enum { ULY_MAX_TESTS = 1024 };
+static uly_test_entry uly_tests[ULY_MAX_TESTS];
+static int uly_ntests;
+static int uly_test_failed; /* checks failed in the running test */
+static const char *uly_current_test = "";
+
+static void uly_register_test(const char *name, uly_test_fn fn) {
+    if (uly_ntests < ULY_MAX_TESTS) {
+        uly_tests[uly_ntests].name = name;
+        uly_tests[uly_ntests].fn = fn;
+        uly_ntests++;
+    }
+}
+
+#define TEST(name)                                                                     \
+    static void test_##name(void);                                                     \
+    __attribute__((constructor)) static void register_##name(void) {                   \
+        uly_register_test(#name, test_##name);                                         \
+    }                                                                                  \
+    static void test_##name(void)
+
+/* A failed check reports and lets the test go on, so one run shows every broken case. */
+#define CHECK(cond, ...)                                                               \
+    do {                                                                               \
+        if (!(cond)) {                                                                 \
+            if (!uly_test_failed) printf("FAIL %s\n", uly_current_test);              \
+            uly_test_failed++;                                                         \
+            if (uly_test_failed <= 10) {                                               \
+                printf("     %s:%d: %s: ", __FILE__, __LINE__, #cond);                \
+                printf(__VA_ARGS__);                                                   \
+                printf("\n");                                                          \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+
+/* |got - want| <= tol, and NaN is never close to anything. */
+#define CHECK_NEAR(got, want, tol, what)                                               \
+    CHECK(fabs((double)(got) - (double)(want)) <= (tol), "%s: got %.9g want %.9g (tol %g)", \
+          (what), (double)(got), (double)(want), (double)(tol))
+
+/* Runs every test, or only those whose name contains argv-style filter ULY_TEST_FILTER. */
+static int uly_run_tests(void) {
+    const char *filter = getenv("ULY_TEST_FILTER");
+    int passed = 0, failed = 0;
+    for (int i = 0; i < uly_ntests; i++) {
+        if (filter && !strstr(uly_tests[i].name, filter)) continue;
+        uly_current_test = uly_tests[i].name;
+        uly_test_failed = 0;
+        uly_tests[i].fn();
+        if (uly_test_failed) {
+            if (uly_test_failed > 10) printf("     ... %d failed checks in all\n", uly_test_failed);
+            failed++;
+        } else {
+            printf("ok   %s\n", uly_tests[i].name);
+            passed++;
+        }
+        fflush(stdout);
+    }
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
+
+#endif
