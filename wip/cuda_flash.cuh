@@ -1,0 +1,1 @@
+/* FlashAttention-compatible kernels: being written. */

@@ -1,0 +1,1 @@
+/* Layout kernels, communicators and the GPU SP layer: being written. */
