@@ -1,0 +1,1366 @@
+// cuda_emu.cpp: fibers, the block scheduler, warp operations and the CUDA runtime subset behind
+// cuda_emu.h. Sections: context switch, state, failure reports, scheduling, barriers and warp
+// operations, tensor-core and async-copy instructions, blocks and grids, runtime API.
+#include "cuda_emu.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define ULY__ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ULY__ASAN 1
+#endif
+#endif
+#ifdef ULY__ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace {
+
+// =============================================================================================
+// Context switch. On x86-64 a fiber's context is its stack pointer: uly__switch pushes the
+// callee-saved registers, swaps stacks and pops them, so a switch costs a few nanoseconds and no
+// system call. Elsewhere ucontext does the same job, slower (it saves the signal mask).
+
+#if defined(__x86_64__) && !defined(ULY_EMU_UCONTEXT)
+
+struct Context {
+    void *sp;
+};
+
+extern "C" void uly__switch(void **save_sp, void *load_sp);
+asm(R"(
+    .text
+    .p2align 4
+    .type uly__switch, @function
+uly__switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size uly__switch, .-uly__switch
+)");
+
+// Lays out the top of a fresh stack as uly__switch leaves a suspended one, so the first switch
+// "returns" into entry with the stack aligned as after a call; the zero return address above it
+// ends backtraces in gdb.
+void ctx_init(Context *c, char *stack, size_t size, void (*entry)()) {
+    auto top = reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t(15);
+    void **sp = reinterpret_cast<void **>(top);
+    *--sp = nullptr;
+    *--sp = reinterpret_cast<void *>(entry);
+    for (int i = 0; i < 6; i++) *--sp = nullptr;
+    c->sp = sp;
+}
+
+void ctx_switch(Context *from, Context *to) { uly__switch(&from->sp, to->sp); }
+
+#else
+
+}  // namespace
+#include <ucontext.h>
+namespace {
+
+struct Context {
+    ucontext_t uc;
+};
+
+void ctx_init(Context *c, char *stack, size_t size, void (*entry)()) {
+    getcontext(&c->uc);
+    c->uc.uc_stack.ss_sp = stack;
+    c->uc.uc_stack.ss_size = size;
+    c->uc.uc_link = nullptr;
+    makecontext(&c->uc, entry, 0);
+}
+
+void ctx_switch(Context *from, Context *to) { swapcontext(&from->uc, &to->uc); }
+
+#endif
+
+// =============================================================================================
+// State. A Worker is one OS thread of the pool with the fibers, stacks and shared-memory arena
+// it reuses from block to block; the block it runs is part of it.
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr size_t kSmemPerBlock = 227 * 1024;  // H100: opt-in maximum of dynamic shared memory
+constexpr size_t kSmemDefault = 48 * 1024;    // usable without cudaFuncSetAttribute
+constexpr unsigned long long kPoison = ~0ull;  // all ones: NaN as float, bf16 and half
+
+enum { OP_MMA = 100, OP_LDMATRIX };
+
+enum class State : unsigned char { ready, running, barrier, warp, exited };
+
+// What a lane brought to a warp rendezvous and what it takes back. Lanes of a warp share an OS
+// thread, so the lane that completes the operation reads and writes the others' operands in
+// place (their stack frames stay alive while they wait).
+struct WarpOp {
+    int op;
+    unsigned mask;
+    const char *file;  // call site for CUDA intrinsics ...
+    int line;
+    const void *pc;    // ... or the return address for PTX wrappers
+    unsigned long long value;
+    int b, c;
+    const void *in[3];
+    void *out;
+    unsigned long long result;
+};
+
+struct Copy {  // one pending cp.async
+    uint32_t dst;
+    const void *src;
+    int bytes, src_bytes;
+};
+
+struct Fiber {
+    Context ctx;
+    char *stack;        // usable stack, above a guard page
+    bool dirty;         // abandoned mid-kernel by a failed block: reset ASan's shadow on reuse
+    void *fake_stack;   // ASan's fake stack while switched out
+    unsigned id, lane, warp;
+    uint3 idx;
+    State state;
+    const char *file;   // the __syncthreads it waits at
+    int line;
+    WarpOp op;
+    std::vector<Copy> copies;       // issued cp.async, oldest first
+    std::vector<size_t> group_end;  // committed groups: end index into copies
+    size_t copies_done;
+};
+
+struct Warp {
+    unsigned present;  // lanes that exist (a block need not be a multiple of 32 threads)
+    unsigned waiting;  // lanes suspended in a warp operation
+    unsigned exited;
+};
+
+struct Grid;
+
+struct Worker {
+    std::vector<Fiber> fibers;
+    size_t stack_size = 0;
+    Context sched;  // the OS thread's own stack, where blocks start and end
+    void *sched_fake = nullptr;
+    const void *sched_bottom = nullptr;
+    size_t sched_size = 0;
+    unsigned char *smem = nullptr;  // dynamic shared memory arena
+    unsigned long long switches = 0;
+
+    // The block being run.
+    Grid *grid = nullptr;
+    Fiber *cur = nullptr;
+    unsigned block = 0;
+    size_t smem_size = 0;
+    unsigned n = 0, live = 0, exited = 0, at_bar = 0;
+    const char *bar_file = nullptr;
+    int bar_line = 0;
+    std::vector<unsigned> ready;  // ring of runnable fibers
+    unsigned ready_head = 0, ready_count = 0;
+    Warp warps[32];
+    unsigned long long rng = 0;
+    bool failed = false;
+};
+
+struct Grid {
+    uly_emu_grid g;
+    unsigned long long launch;
+    unsigned nblocks;
+    std::atomic<unsigned> next{0};
+    std::atomic<bool> failed{false};
+    std::mutex m;
+    cudaError_t err = cudaSuccess;
+};
+
+struct Config {
+    unsigned long long seed;
+    unsigned threads;
+    size_t stack_size;
+    bool abort_on_failure;
+};
+
+unsigned long long env_number(const char *name, unsigned long long fallback) {
+    const char *s = getenv(name);
+    return s && *s ? strtoull(s, nullptr, 0) : fallback;
+}
+
+const Config &config() {
+    static const Config c = [] {
+        Config k;
+        k.seed = env_number("ULY_EMU_SEED", std::random_device{}());
+        unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+        k.threads = (unsigned)std::min<unsigned long long>(64, env_number("ULY_EMU_THREADS", hw));
+        k.threads = std::max(1u, k.threads);
+        // AddressSanitizer's redzones make frames several times larger.
+#ifdef ULY__ASAN
+        k.stack_size = env_number("ULY_EMU_STACK_KB", 1024) * 1024;
+#else
+        k.stack_size = env_number("ULY_EMU_STACK_KB", 256) * 1024;
+#endif
+        k.abort_on_failure = env_number("ULY_EMU_ABORT", 0) != 0;
+        return k;
+    }();
+    return c;
+}
+
+// Every Worker stays reachable from here, so leak checkers see its memory as owned.
+std::mutex workers_m;
+std::vector<std::unique_ptr<Worker>> workers;
+__thread Worker *tw;
+
+std::atomic<int> last_error{cudaSuccess};
+std::mutex failure_m;
+std::string last_failure;
+std::atomic<bool> quiet{false};
+std::atomic<unsigned long long> total_switches{0};
+
+unsigned long long splitmix(unsigned long long x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// A uniform integer below n from the block's generator (xorshift64*; never zero).
+unsigned random_below(Worker &w, unsigned n) {
+    w.rng ^= w.rng >> 12;
+    w.rng ^= w.rng << 25;
+    w.rng ^= w.rng >> 27;
+    unsigned long long r = w.rng * 0x2545f4914f6cdd1dull;
+    return (unsigned)(((r >> 32) * n) >> 32);
+}
+
+void shuffle(Worker &w, unsigned *v, unsigned n) {
+    for (unsigned i = n; i > 1; i--) std::swap(v[i - 1], v[random_below(w, i)]);
+}
+
+// =============================================================================================
+// ASan fiber annotations: tell the sanitizer which stack is live, so it neither reports the
+// switch as a stack overflow nor mixes the fibers' fake stacks.
+
+void asan_start(void **fake_save, const void *bottom, size_t size) {
+#ifdef ULY__ASAN
+    __sanitizer_start_switch_fiber(fake_save, bottom, size);
+#else
+    (void)fake_save, (void)bottom, (void)size;
+#endif
+}
+
+void asan_finish(void *fake) {
+#ifdef ULY__ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    (void)fake;
+#endif
+}
+
+void asan_unpoison(const void *p, size_t size) {
+#ifdef ULY__ASAN
+    __asan_unpoison_memory_region(p, size);
+#else
+    (void)p, (void)size;
+#endif
+}
+
+void asan_poison(const void *p, size_t size) {
+#ifdef ULY__ASAN
+    __asan_poison_memory_region(p, size);
+#else
+    (void)p, (void)size;
+#endif
+}
+
+// =============================================================================================
+// Failure reports. The first failure of a launch is printed with the kernel, block, threads and
+// seed, becomes the launch's error, and ends the block (its fibers are abandoned).
+
+std::string format(const char *fmt, va_list ap) {
+    char buf[1024];
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    return buf;
+}
+
+std::string strprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string strprintf(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    std::string s = format(fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+// "0-31,64,66-70"
+std::string ranges(const std::vector<unsigned> &ids) {
+    std::string s;
+    for (size_t i = 0; i < ids.size();) {
+        size_t j = i;
+        while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) j++;
+        if (!s.empty()) s += ",";
+        s += j == i ? strprintf("%u", ids[i]) : strprintf("%u-%u", ids[i], ids[j]);
+        i = j + 1;
+    }
+    return s;
+}
+
+// A code address as module+offset, which addr2line resolves to a source line.
+std::string code_address(const void *pc) {
+    Dl_info info;
+    if (dladdr(pc, &info) && info.dli_fname)
+        return strprintf("%s+0x%lx", info.dli_fname,
+                         (unsigned long)((const char *)pc - (const char *)info.dli_fbase));
+    return strprintf("%p", pc);
+}
+
+const char *op_name(int op) {
+    switch (op) {
+    case ULY_EMU_SHFL_IDX: return "__shfl_sync";
+    case ULY_EMU_SHFL_UP: return "__shfl_up_sync";
+    case ULY_EMU_SHFL_DOWN: return "__shfl_down_sync";
+    case ULY_EMU_SHFL_BFLY: return "__shfl_xor_sync";
+    case ULY_EMU_VOTE: return "a vote (__ballot_sync/__any_sync/__all_sync)";
+    case ULY_EMU_SYNCWARP: return "__syncwarp";
+    case OP_MMA: return "mma.sync";
+    case OP_LDMATRIX: return "ldmatrix";
+    }
+    return "?";
+}
+
+std::string op_site(const WarpOp &o) {
+    return o.file ? strprintf("%s:%d", o.file, o.line) : "pc " + code_address(o.pc);
+}
+
+std::string describe(const Fiber &f) {
+    switch (f.state) {
+    case State::ready:
+    case State::running: return "still running";
+    case State::exited: return "exited";
+    case State::barrier: return strprintf("wait at __syncthreads (%s:%d)", f.file, f.line);
+    case State::warp:
+        return strprintf("wait in %s, member mask 0x%08x (%s)", op_name(f.op.op), f.op.mask,
+                         op_site(f.op).c_str());
+    }
+    return "?";
+}
+
+// One line per distinct state, with the threads in it.
+std::string thread_states(const Worker &w) {
+    std::vector<std::pair<std::string, std::vector<unsigned>>> groups;
+    for (unsigned i = 0; i < w.n; i++) {
+        std::string d = describe(w.fibers[i]);
+        auto g = std::find_if(groups.begin(), groups.end(), [&](auto &x) { return x.first == d; });
+        if (g == groups.end()) g = groups.insert(groups.end(), {d, {}});
+        g->second.push_back(i);
+    }
+    std::string s;
+    for (auto &g : groups) s += "  threads " + ranges(g.second) + ": " + g.first + "\n";
+    return s;
+}
+
+void switch_to(Worker &w, Fiber *from, Fiber *to, bool from_dies);
+
+[[noreturn]] void outside_kernel(const char *what) {
+    fprintf(stderr, "cuda_emu: %s called outside a kernel launched with ULY_LAUNCH\n", what);
+    abort();
+}
+
+Fiber *current(Worker *w, const char *what) {
+    if (!w || !w->cur) outside_kernel(what);
+    return w->cur;
+}
+
+void record_failure(Worker &w, cudaError_t err, const std::string &msg) {
+    Grid &g = *w.grid;
+    std::lock_guard<std::mutex> lock(g.m);
+    if (g.failed.exchange(true)) return;  // a launch reports its first failure only
+    g.err = err;
+    std::string text = msg + strprintf("cuda_emu: seed %llu (ULY_EMU_SEED=%llu replays it)\n",
+                                       config().seed, config().seed);
+    {
+        std::lock_guard<std::mutex> l2(failure_m);
+        last_failure = text;
+    }
+    if (!quiet) fputs(text.c_str(), stderr);
+}
+
+// Fails the running block. Called on a fiber, it abandons the fiber for the scheduler and does
+// not return; called by the scheduler, it returns.
+void fail(Worker &w, cudaError_t err, bool list_threads, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void fail(Worker &w, cudaError_t err, bool list_threads, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    std::string what = format(fmt, ap);
+    va_end(ap);
+    const uint3 b = blockIdx;
+    std::string msg = strprintf("cuda_emu: kernel %s, block (%u,%u,%u): %s\n", w.grid->g.name,
+                                b.x, b.y, b.z, what.c_str());
+    if (list_threads) msg += "  (threads by linear index in the block)\n" + thread_states(w);
+    record_failure(w, err, msg);
+    w.failed = true;
+    if (config().abort_on_failure) abort();
+    if (w.cur) switch_to(w, w.cur, nullptr, true);
+}
+
+std::string who(const Fiber &f) {
+    return strprintf("thread %u (%u,%u,%u), warp %u lane %u", f.id, f.idx.x, f.idx.y, f.idx.z,
+                     f.warp, f.lane);
+}
+
+// =============================================================================================
+// Scheduling. Runnable fibers wait in a ring; a fiber that must wait switches straight to the
+// next runnable one, or to the scheduler when there is none (the block is done or stuck).
+
+void push_ready(Worker &w, unsigned id) {
+    unsigned slot = w.ready_head + w.ready_count++;
+    w.ready[slot >= w.n ? slot - w.n : slot] = id;
+    w.fibers[id].state = State::ready;
+}
+
+Fiber *pop_ready(Worker &w) {
+    if (!w.ready_count) return nullptr;
+    Fiber *f = &w.fibers[w.ready[w.ready_head]];
+    if (++w.ready_head == w.n) w.ready_head = 0;
+    w.ready_count--;
+    return f;
+}
+
+const void *stack_bottom(Worker &w, Fiber *f) { return f ? f->stack : w.sched_bottom; }
+size_t stack_size(Worker &w, Fiber *f) { return f ? w.stack_size : w.sched_size; }
+
+// Switches from one fiber (nullptr: the scheduler) to another; returns when `from` is resumed.
+// A fiber that will never resume (exited or abandoned) gives up its ASan fake stack.
+void switch_to(Worker &w, Fiber *from, Fiber *to, bool from_dies) {
+    w.cur = to;
+    if (to) {
+        to->state = State::running;
+        threadIdx = to->idx;
+    }
+    w.switches++;
+    void **fake = from_dies ? nullptr : from ? &from->fake_stack : &w.sched_fake;
+    asan_start(fake, stack_bottom(w, to), stack_size(w, to));
+    ctx_switch(from ? &from->ctx : &w.sched, to ? &to->ctx : &w.sched);
+    asan_finish(from ? from->fake_stack : w.sched_fake);
+}
+
+// The running fiber has to wait: run the next runnable fiber, which may be itself.
+void wait(Worker &w, Fiber *self) {
+    Fiber *next = pop_ready(w);
+    if (next == self) {
+        self->state = State::running;
+        return;
+    }
+    switch_to(w, self, next, false);
+}
+
+// Makes the lanes in `lanes` runnable, in random order.
+void wake(Worker &w, unsigned warp, unsigned lanes) {
+    unsigned ids[32], k = 0;
+    for (; lanes; lanes &= lanes - 1) ids[k++] = warp * 32 + __builtin_ctz(lanes);
+    shuffle(w, ids, k);
+    for (unsigned i = 0; i < k; i++) push_ready(w, ids[i]);
+}
+
+void thread_exits(Worker &w, Fiber *self) {
+    self->state = State::exited;
+    w.live--;
+    w.exited++;
+    Warp &wp = w.warps[self->warp];
+    wp.exited |= 1u << self->lane;
+    if (w.at_bar)
+        fail(w, cudaErrorLaunchFailure, true,
+             "%s exited while other threads wait at __syncthreads (%s:%d); a barrier must be "
+             "reached by every thread of the block",
+             who(*self).c_str(), w.bar_file, w.bar_line);
+    for (unsigned l = wp.waiting; l; l &= l - 1) {
+        const Fiber &f = w.fibers[self->warp * 32 + __builtin_ctz(l)];
+        if (f.op.mask & (1u << self->lane))
+            fail(w, cudaErrorLaunchFailure, true,
+                 "%s exited while lanes that name it in their member mask wait in %s",
+                 who(*self).c_str(), op_name(f.op.op));
+    }
+}
+
+void fiber_main() {
+    Worker &w = *tw;
+    asan_finish(nullptr);
+    Fiber *self = w.cur;
+    w.grid->g.run(w.grid->g.ctx);
+    thread_exits(w, self);
+    switch_to(w, self, pop_ready(w), true);
+    abort();  // an exited fiber is never resumed
+}
+
+// =============================================================================================
+// Barriers and warp operations.
+
+bool same_site(const char *f1, int l1, const char *f2, int l2) {
+    return l1 == l2 && (f1 == f2 || strcmp(f1, f2) == 0);
+}
+
+void release_barrier(Worker &w) {
+    w.at_bar = 0;
+    unsigned k = 0;
+    for (unsigned i = 0; i < w.n; i++)
+        if (w.fibers[i].state == State::barrier) w.ready[k++] = i;
+    shuffle(w, w.ready.data(), k);
+    w.ready_head = 0;
+    w.ready_count = k;
+    for (unsigned i = 0; i < k; i++) w.fibers[w.ready[i]].state = State::ready;
+}
+
+// Shuffle source lane and validity, as the PTX ISA defines shfl.sync: c holds the segment mask
+// (bits 12:8) and the clamp (bits 4:0); an invalid source returns the lane's own value.
+unsigned shfl_source(int op, unsigned lane, int b, int c, bool *valid) {
+    int bval = b & 31, cval = c & 31, seg = (c >> 8) & 31;
+    int max_lane = ((int)lane & seg) | (cval & ~seg);
+    int min_lane = (int)lane & seg;
+    int j = 0;
+    switch (op) {
+    case ULY_EMU_SHFL_UP: j = (int)lane - bval; *valid = j >= max_lane; break;
+    case ULY_EMU_SHFL_DOWN: j = (int)lane + bval; *valid = j <= max_lane; break;
+    case ULY_EMU_SHFL_BFLY: j = (int)lane ^ bval; *valid = j <= max_lane; break;
+    default: j = min_lane | (bval & ~seg); *valid = j <= max_lane; break;
+    }
+    return *valid ? (unsigned)j : lane;
+}
+
+Fiber *lanes_of(Worker &w, unsigned warp) { return &w.fibers[warp * 32]; }
+
+void complete_shfl(Worker &w, unsigned warp, unsigned mask) {
+    Fiber *lane = lanes_of(w, warp);
+    for (unsigned m = mask; m; m &= m - 1) {
+        unsigned i = __builtin_ctz(m);
+        bool valid;
+        unsigned j = shfl_source(lane[i].op.op, i, lane[i].op.b, lane[i].op.c, &valid);
+        // Reading a lane outside the member mask is undefined: hand back poison.
+        lane[i].op.result = (mask >> j) & 1 ? lane[j].op.value : kPoison;
+    }
+}
+
+void complete_vote(Worker &w, unsigned warp, unsigned mask) {
+    Fiber *lane = lanes_of(w, warp);
+    unsigned ballot = 0;
+    for (unsigned m = mask; m; m &= m - 1)
+        ballot |= (unsigned)(lane[__builtin_ctz(m)].op.value & 1) << __builtin_ctz(m);
+    for (unsigned m = mask; m; m &= m - 1) lane[__builtin_ctz(m)].op.result = ballot;
+}
+
+float half_bits_to_float(uint16_t h, int type) {
+    if (type == ULY_EMU_BF16) return __uint_as_float((uint32_t)h << 16);
+    __half_raw r;
+    r.x = h;
+    return __half2float(__half(r));
+}
+
+// D = A*B + C for mma.m16n8k{8,16}.row.col.f32, with the fragment layouts of the PTX ISA
+// (groupID = lane / 4, threadID_in_group = lane % 4). Products and sums are exact in double and
+// rounded once to float; hardware rounds its own way, within the tests' tolerances.
+void complete_mma(Worker &w, unsigned warp) {
+    Fiber *lane = lanes_of(w, warp);
+    const int k = lane[0].op.b, type = lane[0].op.c;
+    float A[16][16], B[16][8], C[16][8];
+    for (unsigned t = 0; t < 32; t++) {
+        const uint32_t *a = static_cast<const uint32_t *>(lane[t].op.in[0]);
+        const uint32_t *b = static_cast<const uint32_t *>(lane[t].op.in[1]);
+        const float *c = static_cast<const float *>(lane[t].op.in[2]);
+        unsigned g = t / 4, q = t % 4;
+        for (int r = 0; r < k / 4; r++) {  // a register holds 2 elements along a row of A
+            unsigned row = g + 8 * (r & 1), col = 2 * q + 8 * (r >> 1);
+            A[row][col] = half_bits_to_float(a[r] & 0xffff, type);
+            A[row][col + 1] = half_bits_to_float(a[r] >> 16, type);
+        }
+        for (int r = 0; r < k / 8; r++) {  // ... and 2 elements along a column of B
+            unsigned row = 2 * q + 8 * r;
+            B[row][g] = half_bits_to_float(b[r] & 0xffff, type);
+            B[row + 1][g] = half_bits_to_float(b[r] >> 16, type);
+        }
+        for (int i = 0; i < 4; i++) C[g + 8 * (i >> 1)][2 * q + (i & 1)] = c[i];
+    }
+    float D[16][8];
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 8; n++) {
+            double acc = C[m][n];
+            for (int i = 0; i < k; i++) acc += (double)A[m][i] * B[i][n];
+            D[m][n] = (float)acc;
+        }
+    for (unsigned t = 0; t < 32; t++) {  // after all reads: d may alias c
+        float *d = static_cast<float *>(lane[t].op.out);
+        for (int i = 0; i < 4; i++) d[i] = D[t / 4 + 8 * (i >> 1)][2 * (t % 4) + (i & 1)];
+    }
+}
+
+uint16_t load16(const unsigned char *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+// ldmatrix.m8n8.b16: lane 8*i + r gives the address of row r of matrix i; lane t receives, of
+// each matrix, row t/4, elements 2*(t%4) and 2*(t%4)+1 (with .trans: of the transposed matrix).
+void complete_ldmatrix(Worker &w, unsigned warp) {
+    Fiber *lane = lanes_of(w, warp);
+    const int n = lane[0].op.b;
+    const bool trans = lane[0].op.c != 0;
+    const unsigned char *rows[4][8];
+    for (int l = 0; l < 8 * n; l++) {
+        uint32_t addr = (uint32_t)lane[l].op.value;
+        if (addr % 16)
+            fail(w, cudaErrorMisalignedAddress, false,
+                 "ldmatrix: %s gives row address 0x%x, not 16-byte aligned",
+                 who(lane[l]).c_str(), addr);
+        if ((size_t)addr + 16 > w.smem_size)
+            fail(w, cudaErrorIllegalAddress, false,
+                 "ldmatrix: %s gives row address 0x%x, row ends past the %zu bytes of dynamic "
+                 "shared memory",
+                 who(lane[l]).c_str(), addr, w.smem_size);
+        rows[l / 8][l % 8] = w.smem + addr;
+    }
+    for (unsigned t = 0; t < 32; t++) {
+        uint32_t *r = static_cast<uint32_t *>(lane[t].op.out);
+        for (int i = 0; i < n; i++) {
+            uint16_t lo, hi;
+            if (trans) {
+                lo = load16(rows[i][2 * (t % 4)] + 2 * (t / 4));
+                hi = load16(rows[i][2 * (t % 4) + 1] + 2 * (t / 4));
+            } else {
+                lo = load16(rows[i][t / 4] + 4 * (t % 4));
+                hi = load16(rows[i][t / 4] + 4 * (t % 4) + 2);
+            }
+            r[i] = (uint32_t)lo | (uint32_t)hi << 16;
+        }
+    }
+}
+
+void complete(Worker &w, unsigned warp, int op, unsigned mask) {
+    switch (op) {
+    case ULY_EMU_VOTE: complete_vote(w, warp, mask); break;
+    case ULY_EMU_SYNCWARP: break;
+    case OP_MMA: complete_mma(w, warp); break;
+    case OP_LDMATRIX: complete_ldmatrix(w, warp); break;
+    default: complete_shfl(w, warp, mask); break;
+    }
+}
+
+// Lanes meet when all of the member mask wait in the same operation with the same mask;
+// the .aligned instructions (mma, ldmatrix) must also be the same instruction.
+bool all_met(Worker &w, const Fiber &self) {
+    const Warp &wp = w.warps[self.warp];
+    const WarpOp &o = self.op;
+    if ((wp.waiting & o.mask) != o.mask) return false;
+    const bool aligned = o.op == OP_MMA || o.op == OP_LDMATRIX;
+    Fiber *lane = lanes_of(w, self.warp);
+    for (unsigned m = o.mask; m; m &= m - 1) {
+        const WarpOp &p = lane[__builtin_ctz(m)].op;
+        if (p.op != o.op || p.mask != o.mask) return false;
+        if (aligned && (p.pc != o.pc || p.b != o.b || p.c != o.c)) return false;
+    }
+    return true;
+}
+
+void check_mask(Worker &w, const Fiber &self) {
+    const Warp &wp = w.warps[self.warp];
+    const unsigned mask = self.op.mask;
+    const char *name = op_name(self.op.op);
+    if (!(mask >> self.lane & 1))
+        fail(w, cudaErrorLaunchFailure, false, "%s: %s is not in its own member mask 0x%08x",
+             name, who(self).c_str(), mask);
+    if (mask & ~wp.present)
+        fail(w, cudaErrorLaunchFailure, false,
+             "%s: member mask 0x%08x of %s names lanes 0x%08x that do not exist (block of %u "
+             "threads)",
+             name, mask, who(self).c_str(), mask & ~wp.present, w.n);
+    if (mask & wp.exited)
+        fail(w, cudaErrorLaunchFailure, true,
+             "%s: member mask 0x%08x of %s names lanes 0x%08x that have exited", name, mask,
+             who(self).c_str(), mask & wp.exited);
+}
+
+// The per-warp rendezvous: the last lane to arrive computes every lane's result and goes on;
+// the others wait, and only they (the rest of the block keeps running).
+void meet(Worker &w, Fiber *self) {
+    check_mask(w, *self);
+    Warp &wp = w.warps[self->warp];
+    self->state = State::warp;
+    wp.waiting |= 1u << self->lane;
+    if (!all_met(w, *self)) {
+        wait(w, self);
+        return;
+    }
+    const unsigned mask = self->op.mask;
+    complete(w, self->warp, self->op.op, mask);
+    wp.waiting &= ~mask;
+    self->state = State::running;
+    wake(w, self->warp, mask & ~(1u << self->lane));
+}
+
+WarpOp &new_op(Fiber *self, int op, unsigned mask) {
+    WarpOp &o = self->op;
+    o = WarpOp{};
+    o.op = op;
+    o.mask = mask;
+    return o;
+}
+
+// The .aligned instructions need the whole warp.
+void check_full_warp(Worker &w, const Fiber &self, const char *name) {
+    if (w.warps[self.warp].present != kFullMask)
+        fail(w, cudaErrorLaunchFailure, false,
+             "%s needs all 32 lanes of a warp, but warp %u of a block of %u threads is partial",
+             name, self.warp, w.n);
+}
+
+// =============================================================================================
+// Blocks and grids.
+
+size_t page_size() { return (size_t)sysconf(_SC_PAGESIZE); }
+
+// Stacks are mapped once per fiber and reused; the page below each is a guard page, so a
+// stack overflow faults instead of corrupting a neighbour.
+char *map_stack(size_t size) {
+    size_t guard = page_size();
+    void *p = mmap(nullptr, size + guard, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+        perror("cuda_emu: mmap of a fiber stack");
+        abort();
+    }
+    mprotect(p, guard, PROT_NONE);
+    return static_cast<char *>(p) + guard;
+}
+
+void thread_stack_bounds(const void **bottom, size_t *size) {
+    pthread_attr_t attr;
+    void *addr = nullptr;
+    size_t sz = 0;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+        pthread_attr_getstack(&attr, &addr, &sz);
+        pthread_attr_destroy(&attr);
+    }
+    *bottom = addr;
+    *size = sz;
+}
+
+Worker &worker() {
+    if (tw) return *tw;
+    auto w = std::make_unique<Worker>();
+    w->stack_size = config().stack_size;
+    thread_stack_bounds(&w->sched_bottom, &w->sched_size);
+    void *smem = mmap(nullptr, kSmemPerBlock, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (smem == MAP_FAILED) {
+        perror("cuda_emu: mmap of shared memory");
+        abort();
+    }
+    w->smem = static_cast<unsigned char *>(smem);
+    tw = w.get();
+    std::lock_guard<std::mutex> lock(workers_m);
+    workers.push_back(std::move(w));
+    return *tw;
+}
+
+void ensure_fibers(Worker &w, unsigned n) {
+    while (w.fibers.size() < n) {
+        w.fibers.emplace_back();
+        Fiber &f = w.fibers.back();
+        f.stack = map_stack(w.stack_size);
+        f.dirty = false;
+        f.fake_stack = nullptr;
+    }
+    w.ready.resize(std::max<size_t>(w.ready.size(), n));
+}
+
+void init_fiber(Worker &w, Fiber &f, unsigned id, const dim3 &bd) {
+    if (f.dirty) asan_unpoison(f.stack, w.stack_size);
+    f.dirty = false;
+    f.id = id;
+    f.lane = id % 32;
+    f.warp = id / 32;
+    f.idx = uint3{id % bd.x, id / bd.x % bd.y, id / (bd.x * bd.y)};
+    f.state = State::ready;
+    f.op = WarpOp{};
+    f.copies.clear();
+    f.group_end.clear();
+    f.copies_done = 0;
+    ctx_init(&f.ctx, f.stack, w.stack_size, fiber_main);
+}
+
+void init_block(Worker &w, Grid &grid, unsigned block) {
+    const uly_emu_grid &g = grid.g;
+    w.grid = &grid;
+    w.block = block;
+    blockIdx = uint3{block % g.grid.x, block / g.grid.x % g.grid.y,
+                     block / (g.grid.x * g.grid.y)};
+    blockDim = g.block;
+    gridDim = g.grid;
+    w.n = g.block.x * g.block.y * g.block.z;
+    ensure_fibers(w, w.n);
+    for (unsigned i = 0; i < w.n; i++) init_fiber(w, w.fibers[i], i, g.block);
+    for (unsigned i = 0; i < 32; i++) {
+        unsigned first = i * 32;
+        w.warps[i].present = first >= w.n ? 0 : w.n - first >= 32 ? kFullMask
+                                                                  : (1u << (w.n - first)) - 1;
+        w.warps[i].waiting = w.warps[i].exited = 0;
+    }
+    w.live = w.n;
+    w.exited = w.at_bar = 0;
+    w.failed = false;
+    w.rng = splitmix(splitmix(config().seed ^ grid.launch * 0x9e3779b97f4a7c15ull) + block) | 1;
+    // Shared memory starts as garbage, as on a GPU; past the launch's size ASan guards it.
+    w.smem_size = g.smem;
+    asan_unpoison(w.smem, kSmemPerBlock);
+    memset(w.smem, 0xff, g.smem);
+    asan_poison(w.smem + g.smem, kSmemPerBlock - g.smem);
+    for (unsigned i = 0; i < w.n; i++) w.ready[i] = i;
+    shuffle(w, w.ready.data(), w.n);
+    w.ready_head = 0;
+    w.ready_count = w.n;
+}
+
+void run_block(Worker &w, Grid &grid, unsigned block) {
+    init_block(w, grid, block);
+    switch_to(w, nullptr, pop_ready(w), false);
+    // Back on the scheduler: every fiber has exited, or none can go on, or the block failed.
+    if (!w.failed && w.live)
+        fail(w, cudaErrorLaunchFailure, true, "deadlock: no thread can continue");
+    if (w.failed)
+        for (unsigned i = 0; i < w.n; i++) w.fibers[i].dirty = w.fibers[i].state != State::exited;
+    total_switches += w.switches;
+    w.switches = 0;
+    w.grid = nullptr;
+}
+
+void run_blocks(Grid &grid) {
+    Worker &w = worker();
+    for (;;) {
+        if (grid.failed) return;  // like a GPU, a faulting kernel stops the whole grid
+        unsigned b = grid.next++;
+        if (b >= grid.nblocks) return;
+        run_block(w, grid, b);
+    }
+}
+
+// OS threads that run blocks alongside the launching thread.
+class Pool {
+public:
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lock(m_);
+            quit_ = true;
+        }
+        wake_.notify_all();
+        for (auto &t : threads_) t.join();
+    }
+
+    void run(Grid &grid) {
+        unsigned helpers = std::min(config().threads, grid.nblocks) - 1;
+        if (helpers == 0) {
+            run_blocks(grid);
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lock(m_);
+            while (threads_.size() < config().threads - 1)
+                threads_.emplace_back([this] { loop(); });
+            grid_ = &grid;
+            gen_++;
+            busy_ = (unsigned)threads_.size();
+        }
+        wake_.notify_all();
+        run_blocks(grid);
+        std::unique_lock<std::mutex> lock(m_);
+        done_.wait(lock, [&] { return busy_ == 0; });
+    }
+
+private:
+    void loop() {
+        unsigned long long seen = 0;
+        for (;;) {
+            Grid *grid;
+            {
+                std::unique_lock<std::mutex> lock(m_);
+                wake_.wait(lock, [&] { return quit_ || gen_ != seen; });
+                if (quit_) return;
+                seen = gen_;
+                grid = grid_;
+            }
+            run_blocks(*grid);
+            std::lock_guard<std::mutex> lock(m_);
+            if (--busy_ == 0) done_.notify_one();
+        }
+    }
+
+    std::mutex m_;
+    std::condition_variable wake_, done_;
+    std::vector<std::thread> threads_;
+    Grid *grid_ = nullptr;
+    unsigned long long gen_ = 0;
+    unsigned busy_ = 0;
+    bool quit_ = false;
+};
+
+Pool pool;  // after `workers`, so its threads are joined before the workers are freed
+
+std::mutex attr_m;
+std::unordered_map<const void *, int> max_dyn_smem;  // cudaFuncSetAttribute, per kernel
+
+void set_error(cudaError_t e) {
+    if (e != cudaSuccess) last_error = e;
+}
+
+cudaError_t check_launch(const uly_emu_grid &g) {
+    const dim3 b = g.block, gr = g.grid;
+    unsigned long long threads = (unsigned long long)b.x * b.y * b.z;
+    if (threads == 0 || threads > 1024 || b.z > 64 || gr.x == 0 || gr.y == 0 || gr.z == 0 ||
+        gr.y > 65535 || gr.z > 65535 || (unsigned long long)gr.x * gr.y * gr.z > 0xffffffffull)
+        return cudaErrorInvalidConfiguration;
+    if (g.smem > kSmemDefault) {
+        std::lock_guard<std::mutex> lock(attr_m);
+        auto it = max_dyn_smem.find(g.fn);
+        if (it == max_dyn_smem.end() || g.smem > (size_t)it->second) return cudaErrorInvalidValue;
+    }
+    return cudaSuccess;
+}
+
+}  // namespace
+
+// =============================================================================================
+// Entry points of cuda_emu.h.
+
+__thread uint3 threadIdx;
+__thread uint3 blockIdx;
+__thread dim3 blockDim;
+__thread dim3 gridDim;
+
+void uly_emu_launch(const uly_emu_grid &g) {
+    static std::once_flag announced;
+    std::call_once(announced, [] {
+        if (!quiet)
+            fprintf(stderr, "cuda_emu: seed %llu (set ULY_EMU_SEED=%llu to replay schedules)\n",
+                    config().seed, config().seed);
+    });
+    if (cudaError_t e = check_launch(g)) {
+        set_error(e);
+        return;
+    }
+    static std::atomic<unsigned long long> launches{0};
+    Grid grid;
+    grid.g = g;
+    grid.launch = launches++;
+    grid.nblocks = g.grid.x * g.grid.y * g.grid.z;
+    {
+        std::lock_guard<std::mutex> lock(failure_m);
+        last_failure.clear();
+    }
+    pool.run(grid);
+    if (grid.failed) set_error(grid.err);
+}
+
+void uly_emu_syncthreads(const char *file, int line) {
+    Fiber *self = current(tw, "__syncthreads");
+    Worker &w = *tw;
+    self->file = file;
+    self->line = line;
+    if (w.exited) {
+        self->state = State::barrier;
+        fail(w, cudaErrorLaunchFailure, true,
+             "%s reached __syncthreads (%s:%d) after other threads of the block exited",
+             who(*self).c_str(), file, line);
+    }
+    if (w.at_bar && !same_site(file, line, w.bar_file, w.bar_line)) {
+        self->state = State::barrier;
+        fail(w, cudaErrorLaunchFailure, true, "divergence: threads wait at different barriers");
+    }
+    if (!w.at_bar) {
+        w.bar_file = file;
+        w.bar_line = line;
+    }
+    self->state = State::barrier;
+    if (++w.at_bar == w.live) release_barrier(w);
+    wait(w, self);
+}
+
+unsigned long long uly_emu_warp(int op, unsigned mask, unsigned long long value, int b, int c,
+                                const char *file, int line) {
+    Fiber *self = current(tw, op_name(op));
+    WarpOp &o = new_op(self, op, mask);
+    o.value = value;
+    o.b = b;
+    o.c = c;
+    o.file = file;
+    o.line = line;
+    meet(*tw, self);
+    return self->op.result;
+}
+
+unsigned char *uly_emu_dyn_smem() {
+    current(tw, "ULY_DYN_SMEM");
+    return tw->smem;
+}
+
+uint32_t uly_emu_lane_id() { return current(tw, "uly_lane_id")->lane; }
+
+uint32_t uly_emu_smem_addr(const void *p) {
+    Fiber *self = current(tw, "uly_smem_addr");
+    Worker &w = *tw;
+    auto off = (uintptr_t)p - (uintptr_t)w.smem;
+    if ((uintptr_t)p < (uintptr_t)w.smem || off > w.smem_size)
+        fail(w, cudaErrorIllegalAddress, false,
+             "uly_smem_addr: %s converts %p, which is not in the block's %zu bytes of dynamic "
+             "shared memory (static __shared__ arrays cannot feed ldmatrix or cp.async here)",
+             who(*self).c_str(), p, w.smem_size);
+    return (uint32_t)off;
+}
+
+void uly_emu_mma(int k, uly_emu_type t, float *d, const uint32_t *a, const uint32_t *b,
+                 const float *c) {
+    Fiber *self = current(tw, "mma.sync");
+    Worker &w = *tw;
+    check_full_warp(w, *self, "mma.sync");
+    WarpOp &o = new_op(self, OP_MMA, kFullMask);
+    o.pc = __builtin_return_address(0);
+    o.b = k;
+    o.c = t;
+    o.in[0] = a;
+    o.in[1] = b;
+    o.in[2] = c;
+    o.out = d;
+    meet(w, self);
+}
+
+void uly_emu_ldmatrix(int n, bool trans, uint32_t *r, uint32_t smem_addr) {
+    Fiber *self = current(tw, "ldmatrix");
+    Worker &w = *tw;
+    check_full_warp(w, *self, "ldmatrix");
+    WarpOp &o = new_op(self, OP_LDMATRIX, kFullMask);
+    o.pc = __builtin_return_address(0);
+    o.value = smem_addr;
+    o.b = n;
+    o.c = trans;
+    o.out = r;
+    meet(w, self);
+}
+
+// cp.async: the destination holds poison from the issue until a wait completes the copy, and
+// the source is read only then, so a missing wait or a source rewritten too early shows.
+void uly_emu_cp_async(uint32_t smem_addr, const void *src, int bytes, int src_bytes) {
+    Fiber *self = current(tw, "cp.async");
+    Worker &w = *tw;
+    if ((bytes != 4 && bytes != 8 && bytes != 16) || src_bytes < 0 || src_bytes > bytes)
+        fail(w, cudaErrorLaunchFailure, false,
+             "cp.async: %s copies %d bytes with src-size %d (cp-size is 4, 8 or 16, src-size at "
+             "most cp-size)",
+             who(*self).c_str(), bytes, src_bytes);
+    if (smem_addr % bytes || (uintptr_t)src % bytes)
+        fail(w, cudaErrorMisalignedAddress, false,
+             "cp.async: %s copies %d bytes from %p to shared 0x%x; both must be %d-byte aligned",
+             who(*self).c_str(), bytes, src, smem_addr, bytes);
+    if ((size_t)smem_addr + bytes > w.smem_size)
+        fail(w, cudaErrorIllegalAddress, false,
+             "cp.async: %s writes shared 0x%x..0x%x, past the %zu bytes of dynamic shared memory",
+             who(*self).c_str(), smem_addr, smem_addr + bytes, w.smem_size);
+    memset(w.smem + smem_addr, 0xff, bytes);
+    self->copies.push_back(Copy{smem_addr, src, bytes, src_bytes});
+}
+
+void uly_emu_cp_async_commit() {
+    Fiber *self = current(tw, "cp.async.commit_group");
+    self->group_end.push_back(self->copies.size());
+}
+
+// Completes all committed groups but the n most recent. Copies finish in no particular order.
+void uly_emu_cp_async_wait(int n) {
+    Fiber *self = current(tw, "cp.async.wait_group");
+    Worker &w = *tw;
+    size_t groups = self->group_end.size();
+    if (groups <= (size_t)n) return;
+    size_t end = self->group_end[groups - n - 1];
+    unsigned order[64];
+    while (self->copies_done < end) {
+        unsigned k = (unsigned)std::min<size_t>(64, end - self->copies_done);
+        for (unsigned i = 0; i < k; i++) order[i] = i;
+        shuffle(w, order, k);
+        for (unsigned i = 0; i < k; i++) {
+            const Copy &c = self->copies[self->copies_done + order[i]];
+            memcpy(w.smem + c.dst, c.src, c.src_bytes);
+            memset(w.smem + c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+        }
+        self->copies_done += k;
+    }
+    self->group_end.erase(self->group_end.begin(), self->group_end.end() - n);
+    if (self->copies_done == self->copies.size()) {  // all done: start the queue afresh
+        for (size_t &e : self->group_end) e -= self->copies_done;
+        self->copies.clear();
+        self->copies_done = 0;
+    }
+}
+
+void __trap() {
+    Fiber *self = current(tw, "__trap");
+    Worker &w = *tw;
+    fail(w, cudaErrorLaunchFailure, false, "__trap() by %s", who(*self).c_str());
+}
+
+unsigned long long uly_emu_seed() { return config().seed; }
+
+const char *uly_emu_last_failure() {
+    static thread_local std::string copy;
+    std::lock_guard<std::mutex> lock(failure_m);
+    copy = last_failure;
+    return copy.c_str();
+}
+
+void uly_emu_set_quiet(bool q) { quiet = q; }
+
+unsigned long long uly_emu_switches() { return total_switches; }
+
+// =============================================================================================
+// CUDA runtime subset on host memory. Streams and events exist only as handles: every call is
+// synchronous. Errors of a launch are not sticky: cudaGetLastError clears them, so a test goes on.
+
+struct CUstream_st {
+    int unused;
+};
+
+struct CUevent_st {
+    std::chrono::steady_clock::time_point t;
+};
+
+namespace {
+
+#define ULY__ERRORS(X)                                                                             \
+    X(cudaSuccess, "no error")                                                                     \
+    X(cudaErrorInvalidValue, "invalid argument")                                                   \
+    X(cudaErrorMemoryAllocation, "out of memory")                                                  \
+    X(cudaErrorInvalidConfiguration, "invalid configuration argument")                            \
+    X(cudaErrorInvalidDevice, "invalid device ordinal")                                            \
+    X(cudaErrorInvalidResourceHandle, "invalid resource handle")                                   \
+    X(cudaErrorIllegalAddress, "an illegal memory access was encountered")                         \
+    X(cudaErrorMisalignedAddress, "misaligned address")                                            \
+    X(cudaErrorLaunchFailure, "unspecified launch failure")
+
+const char *error_text(cudaError_t e, bool name) {
+#define X(code, text)                                                                              \
+    if (e == code) return name ? #code : text;
+    ULY__ERRORS(X)
+#undef X
+    return name ? "cudaErrorUnknown" : "unknown error";
+}
+
+cudaError_t pending() { return (cudaError_t)last_error.load(); }
+
+}  // namespace
+
+cudaError_t cudaMalloc(void **p, size_t size) {
+    // Exact-size allocations let ASan catch a kernel reading one element past a buffer; the
+    // fill stands for the garbage of fresh device memory.
+    if (posix_memalign(p, 256, std::max<size_t>(size, 1))) {
+        *p = nullptr;
+        set_error(cudaErrorMemoryAllocation);
+        return cudaErrorMemoryAllocation;
+    }
+    memset(*p, 0xff, size);
+    return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *p) {
+    free(p);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **p, size_t size) { return cudaMalloc(p, size); }
+cudaError_t cudaFreeHost(void *p) { return cudaFree(p); }
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind) {
+    if (count) memmove(dst, src, count);
+    return pending();
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind kind,
+                            cudaStream_t) {
+    return cudaMemcpy(dst, src, count, kind);
+}
+
+cudaError_t cudaMemset(void *p, int value, size_t count) {
+    memset(p, value, count);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *p, int value, size_t count, cudaStream_t) {
+    return cudaMemset(p, value, count);
+}
+
+cudaError_t cudaMemcpyToSymbol(const void *symbol, const void *src, size_t count, size_t offset,
+                               cudaMemcpyKind) {
+    memcpy((char *)symbol + offset, src, count);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyFromSymbol(void *dst, const void *symbol, size_t count, size_t offset,
+                                 cudaMemcpyKind) {
+    memcpy(dst, (const char *)symbol + offset, count);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *s) {
+    *s = new CUstream_st{};
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return cudaStreamCreate(s); }
+
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    delete s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return pending(); }
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+
+cudaError_t cudaEventCreate(cudaEvent_t *e) {
+    *e = new CUevent_st{std::chrono::steady_clock::now()};
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) { return cudaEventCreate(e); }
+
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    delete e;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
+    if (!e) return cudaErrorInvalidResourceHandle;
+    e->t = std::chrono::steady_clock::now();
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return pending(); }
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+    if (!start || !end) return cudaErrorInvalidResourceHandle;
+    *ms = std::chrono::duration<float, std::milli>(end->t - start->t).count();
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetLastError() { return (cudaError_t)last_error.exchange(cudaSuccess); }
+cudaError_t cudaPeekAtLastError() { return pending(); }
+const char *cudaGetErrorString(cudaError_t e) { return error_text(e, false); }
+const char *cudaGetErrorName(cudaError_t e) { return error_text(e, true); }
+cudaError_t cudaDeviceSynchronize() { return pending(); }
+
+cudaError_t cudaDeviceReset() {
+    last_error = cudaSuccess;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute attr, int value) {
+    if (attr == cudaFuncAttributePreferredSharedMemoryCarveout) return cudaSuccess;
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+        (size_t)value > kSmemPerBlock) {
+        set_error(cudaErrorInvalidValue);
+        return cudaErrorInvalidValue;
+    }
+    std::lock_guard<std::mutex> lock(attr_m);
+    max_dyn_smem[fn] = value;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceCount(int *n) {
+    *n = 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *d) {
+    *d = 0;
+    return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
+    *free_bytes = *total = (size_t)80 << 30;
+    return cudaSuccess;
+}
+
+// An H100 SXM as the kernels see it: what tile-size and occupancy choices read.
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int device) {
+    if (device != 0) return cudaErrorInvalidDevice;
+    *p = cudaDeviceProp{};
+    snprintf(p->name, sizeof p->name, "ulysses CUDA emulator (H100-like)");
+    p->totalGlobalMem = (size_t)80 << 30;
+    p->sharedMemPerBlock = kSmemDefault;
+    p->sharedMemPerBlockOptin = kSmemPerBlock;
+    p->sharedMemPerMultiprocessor = 228 * 1024;
+    p->reservedSharedMemPerBlock = 1024;
+    p->regsPerBlock = p->regsPerMultiprocessor = 65536;
+    p->warpSize = 32;
+    p->maxThreadsPerBlock = 1024;
+    p->maxThreadsDim[0] = p->maxThreadsDim[1] = 1024;
+    p->maxThreadsDim[2] = 64;
+    p->maxGridSize[0] = 0x7fffffff;
+    p->maxGridSize[1] = p->maxGridSize[2] = 65535;
+    p->totalConstMem = 64 * 1024;
+    p->major = 9;
+    p->minor = 0;
+    p->multiProcessorCount = 132;
+    p->maxThreadsPerMultiProcessor = 2048;
+    p->maxBlocksPerMultiProcessor = 32;
+    p->l2CacheSize = 50 * 1024 * 1024;
+    p->memoryBusWidth = 5120;
+    p->concurrentKernels = 1;
+    p->unifiedAddressing = 1;
+    p->cooperativeLaunch = 1;
+    p->clusterLaunch = 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) {
+    cudaDeviceProp p;
+    if (cudaError_t e = cudaGetDeviceProperties(&p, device)) return e;
+    switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = p.multiProcessorCount; break;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = (int)p.sharedMemPerBlock; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)p.sharedMemPerBlockOptin; break;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor:
+        *value = (int)p.sharedMemPerMultiprocessor;
+        break;
+    case cudaDevAttrComputeCapabilityMajor: *value = p.major; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = p.minor; break;
+    case cudaDevAttrWarpSize: *value = p.warpSize; break;
+    case cudaDevAttrMaxThreadsPerBlock: *value = p.maxThreadsPerBlock; break;
+    case cudaDevAttrMaxThreadsPerMultiProcessor: *value = p.maxThreadsPerMultiProcessor; break;
+    case cudaDevAttrL2CacheSize: *value = p.l2CacheSize; break;
+    default: return cudaErrorInvalidValue;
+    }
+    return cudaSuccess;
+}
