@@ -52,6 +52,74 @@ $(BUILD) $(BUILD)/asan:
 
 # --- foundation (ulysses.h) ---
 
+# Foundation tests (tests/test_*.c): every C test is built twice, plain in $(BUILD)/ and with
+# $(SAN) in $(BUILD)/asan/, and both run. The MPI test needs mpicc, the torch test PyTorch.
+ULY_CTESTS    = test_plan test_layer test_loss test_errors test_torch
+ULY_TEST_DEPS = ulysses.h tests/check.h tests/ref64.h tests/sp_case.h
+ULY_TORCH_RUN = $(PYTHON) tests/torch_attention.py
+HAVE_CLANG   := $(shell command -v clang >/dev/null 2>&1 && command -v clang++ >/dev/null 2>&1 && echo 1)
+
+$(BUILD)/hdr:
+	mkdir -p $@
+
+$(ULY_CTESTS:%=$(BUILD)/%): $(BUILD)/%: tests/%.c $(ULY_TEST_DEPS) | $(BUILD)
+	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+$(ULY_CTESTS:%=$(BUILD)/asan/%): $(BUILD)/asan/%: tests/%.c $(ULY_TEST_DEPS) | $(BUILD)/asan
+	$(CC) $(CFLAGS) $(SAN) -o $@ $< $(LDLIBS)
+
+# Two translation units, one with the implementation; the second also as C++ (extern "C").
+$(BUILD)/test_link $(BUILD)/asan/test_link: tests/test_link_a.c tests/test_link_b.c ulysses.h tests/check.h | $(BUILD)/asan
+	$(CC) $(CFLAGS) $(if $(findstring asan,$@),$(SAN)) -o $@ tests/test_link_a.c tests/test_link_b.c $(LDLIBS)
+$(BUILD)/test_link_cxx: tests/test_link_a.c tests/test_link_b.c ulysses.h tests/check.h | $(BUILD)
+	$(CC) $(CFLAGS) -c -o $@_a.o tests/test_link_a.c
+	$(CXX) $(CXXFLAGS) -Wpedantic -x c++ -c -o $@_b.o tests/test_link_b.c
+	$(CXX) -o $@ $@_a.o $@_b.o $(LDLIBS)
+# Two private copies (ULYSSES_STATIC) in one program.
+$(BUILD)/test_static $(BUILD)/asan/test_static: tests/test_static_a.c tests/test_static_b.c ulysses.h tests/check.h | $(BUILD)/asan
+	$(CC) $(CFLAGS) $(if $(findstring asan,$@),$(SAN)) -o $@ tests/test_static_a.c tests/test_static_b.c $(LDLIBS)
+
+# The header with its implementation compiles as C99 and C++17 under gcc and clang, -Werror.
+ULY_HDR_FLAGS = $(WARN) -I. -c tests/header_check.c
+$(BUILD)/hdr/gcc-c99.o: tests/header_check.c ulysses.h | $(BUILD)/hdr
+	gcc -std=c99 $(ULY_HDR_FLAGS) -o $@
+$(BUILD)/hdr/gcc-c99-nothreads.o: tests/header_check.c ulysses.h | $(BUILD)/hdr
+	gcc -std=c99 -DULYSSES_NO_THREADS $(ULY_HDR_FLAGS) -o $@
+$(BUILD)/hdr/gxx-c++17.o: tests/header_check.c ulysses.h | $(BUILD)/hdr
+	g++ -std=c++17 -x c++ $(ULY_HDR_FLAGS) -o $@
+$(BUILD)/hdr/clang-c99.o: tests/header_check.c ulysses.h | $(BUILD)/hdr
+	clang -std=c99 $(ULY_HDR_FLAGS) -o $@
+$(BUILD)/hdr/clangxx-c++17.o: tests/header_check.c ulysses.h | $(BUILD)/hdr
+	clang++ -std=c++17 -x c++ $(ULY_HDR_FLAGS) -o $@
+
+TEST_BINS += $(ULY_CTESTS:%=$(BUILD)/%) $(ULY_CTESTS:%=$(BUILD)/asan/%)
+TEST_BINS += $(BUILD)/test_link $(BUILD)/asan/test_link $(BUILD)/test_link_cxx
+TEST_BINS += $(BUILD)/test_static $(BUILD)/asan/test_static
+TEST_BINS += $(BUILD)/hdr/gcc-c99.o $(BUILD)/hdr/gcc-c99-nothreads.o $(BUILD)/hdr/gxx-c++17.o
+TESTS += $(foreach d,$(BUILD) $(BUILD)/asan,$(foreach t,test_plan test_layer test_loss test_errors test_link test_static,$(d)/$(t)))
+TESTS += $(BUILD)/test_link_cxx
+ifeq ($(HAVE_CLANG),1)
+TEST_BINS += $(BUILD)/hdr/clang-c99.o $(BUILD)/hdr/clangxx-c++17.o
+else
+TESTS += 'skip:header-check-with-clang (no clang or clang++)'
+endif
+ifeq ($(HAVE_TORCH),1)
+TESTS += '$(BUILD)/test_torch $(ULY_TORCH_RUN)' '$(BUILD)/asan/test_torch $(ULY_TORCH_RUN)'
+else
+TESTS += 'skip:test_torch (no PyTorch for $(PYTHON): apt-get install python3-torch)'
+endif
+ifeq ($(HAVE_MPI),1)
+$(BUILD)/test_mpi: tests/test_mpi.c $(ULY_TEST_DEPS) | $(BUILD)
+	$(MPICC) $(CFLAGS) -o $@ $< $(LDLIBS)
+$(BUILD)/asan/test_mpi: tests/test_mpi.c $(ULY_TEST_DEPS) | $(BUILD)/asan
+	$(MPICC) $(CFLAGS) $(SAN) -o $@ $< $(LDLIBS)
+TEST_BINS += $(BUILD)/test_mpi $(BUILD)/asan/test_mpi
+TESTS += 'timeout 300 env $(MPIRUN) -np 4 $(BUILD)/test_mpi'
+# Open MPI's own allocations are never freed; leaks are checked by the other ASan runs.
+TESTS += 'timeout 300 env $(MPIRUN) -x ASAN_OPTIONS=detect_leaks=0 -np 4 $(BUILD)/asan/test_mpi'
+else
+TESTS += 'skip:test_mpi (no $(MPICC): apt-get install openmpi-bin libopenmpi-dev)'
+endif
+
 # --- emulator ---
 
 # --- cuda ---

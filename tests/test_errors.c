@@ -1,0 +1,419 @@
+/* test_errors.c - bad input is an error value with a specific code and a message that names the
+   field, never a crash, an abort or a truncated size. Each table row is one invalid call: what
+   it breaks, the code it must return and a word its message must contain. */
+#define ULYSSES_IMPLEMENTATION
+#include "../ulysses.h"
+#include "check.h"
+
+/* A message is a NUL-terminated string within uly_status.msg that contains `field`. */
+static void check_status(uly_status st, uly_code code, const char *field, const char *what) {
+    int terminated = memchr(st.msg, 0, sizeof st.msg) != NULL;
+    CHECK(st.code == code, "%s: code %d, want %d (%s)", what, (int)st.code, (int)code,
+          terminated ? st.msg : "<unterminated>");
+    CHECK(terminated && strstr(st.msg, field), "%s: message \"%s\" does not name %s", what,
+          terminated ? st.msg : "<unterminated>", field);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   uly_plan_init */
+
+enum pfield { P_WORLD, P_RANK, P_SP, P_B, P_S, P_H, P_HKV, P_D, P_DTYPE, P_MAXB };
+
+typedef struct plan_bad {
+    const char *what;
+    enum pfield f1;
+    int64_t v1;
+    enum pfield f2; /* a second field to set, or the same as f1 */
+    int64_t v2;
+    uly_code code;
+    const char *field;
+} plan_bad;
+
+/* Valid: world 8 = DP 2 x SP 4, rank 5, B 2, S 16, H 8, Hkv 2, D 16, bf16. */
+static uly_plan_desc good_desc(void) {
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = 8;
+    d.rank = 5;
+    d.sp_size = 4;
+    d.batch = 2;
+    d.seq_len = 16;
+    d.n_heads = 8;
+    d.n_kv_heads = 2;
+    d.head_dim = 16;
+    d.dtype = ULY_BF16;
+    return d;
+}
+
+static void set_field(uly_plan_desc *d, enum pfield f, int64_t v) {
+    switch (f) {
+    case P_WORLD: d->world_size = (int)v; break;
+    case P_RANK: d->rank = (int)v; break;
+    case P_SP: d->sp_size = (int)v; break;
+    case P_B: d->batch = v; break;
+    case P_S: d->seq_len = v; break;
+    case P_H: d->n_heads = v; break;
+    case P_HKV: d->n_kv_heads = v; break;
+    case P_D: d->head_dim = v; break;
+    case P_DTYPE: d->dtype = (uly_dtype)v; break;
+    case P_MAXB: d->max_bytes = v; break;
+    }
+}
+
+static const int64_t BIG = (int64_t)1 << 40;
+
+static const plan_bad plan_table[] = {
+    {"sp_size 0", P_SP, 0, P_SP, 0, ULY_EINVAL, "sp_size"},
+    {"sp_size negative", P_SP, -4, P_SP, -4, ULY_EINVAL, "sp_size"},
+    {"sp_size > n_heads", P_SP, 8, P_H, 4, ULY_EINVAL, "sp_size"},
+    {"sp_size > ULY_MAX_SP", P_SP, 512, P_WORLD, 512, ULY_EINVAL, "sp_size"},
+    {"seq_len < sp_size", P_S, 3, P_S, 3, ULY_EINVAL, "seq_len"},
+    {"seq_len negative", P_S, -16, P_S, -16, ULY_EINVAL, "seq_len"},
+    {"world_size not a multiple of sp_size", P_WORLD, 6, P_WORLD, 6, ULY_EINVAL, "world_size"},
+    {"world_size 0", P_WORLD, 0, P_WORLD, 0, ULY_EINVAL, "world_size"},
+    {"rank = world_size", P_RANK, 8, P_RANK, 8, ULY_EINVAL, "rank"},
+    {"rank negative", P_RANK, -1, P_RANK, -1, ULY_EINVAL, "rank"},
+    {"n_kv_heads does not divide n_heads", P_HKV, 3, P_HKV, 3, ULY_EINVAL, "n_kv_heads"},
+    {"n_kv_heads > n_heads", P_HKV, 16, P_HKV, 16, ULY_EINVAL, "n_kv_heads"},
+    {"n_kv_heads negative", P_HKV, -2, P_HKV, -2, ULY_EINVAL, "n_kv_heads"},
+    {"n_heads negative", P_H, -8, P_H, -8, ULY_EINVAL, "n_heads"},
+    {"batch 0", P_B, 0, P_B, 0, ULY_EINVAL, "batch"},
+    {"batch negative", P_B, -2, P_B, -2, ULY_EINVAL, "batch"},
+    {"head_dim 0", P_D, 0, P_D, 0, ULY_EINVAL, "head_dim"},
+    {"head_dim negative", P_D, -16, P_D, -16, ULY_EINVAL, "head_dim"},
+    {"dtype not a uly_dtype", P_DTYPE, 7, P_DTYPE, 7, ULY_EINVAL, "dtype"},
+    {"max_bytes negative", P_MAXB, -1, P_MAXB, -1, ULY_EINVAL, "max_bytes"},
+    /* 2^40 * 2^40 * 8 * 16 * 2 bytes overflows int64 */
+    {"B*S*H*D*elem overflows int64", P_B, BIG, P_S, BIG, ULY_EOVERFLOW, "int64"},
+    /* Q to one peer: 2 * 4 * 2 * 16 * 2 = 512 bytes > 511 */
+    {"per-peer bytes > max_bytes", P_MAXB, 511, P_MAXB, 511, ULY_EOVERFLOW, "max_bytes"},
+};
+
+TEST(plan_init_rejects_each_invalid_desc_with_its_code_and_field) {
+    CHECK(sizeof plan_table / sizeof *plan_table >= 20, "table has %d rows",
+          (int)(sizeof plan_table / sizeof *plan_table));
+    for (size_t i = 0; i < sizeof plan_table / sizeof *plan_table; i++) {
+        const plan_bad *t = &plan_table[i];
+        uly_plan_desc d = good_desc();
+        set_field(&d, t->f1, t->v1);
+        set_field(&d, t->f2, t->v2);
+        uly_plan p;
+        check_status(uly_plan_init(&p, &d), t->code, t->field, t->what);
+    }
+}
+
+TEST(plan_init_accepts_the_base_desc_of_the_table_and_max_bytes_at_the_limit) {
+    uly_plan_desc d = good_desc();
+    uly_plan p;
+    uly_status st = uly_plan_init(&p, &d);
+    CHECK(st.code == ULY_OK, "%s", st.msg);
+    d.max_bytes = 512; /* the largest per-peer count is exactly 512 */
+    st = uly_plan_init(&p, &d);
+    CHECK(st.code == ULY_OK, "max_bytes 512: %s", st.msg);
+}
+
+TEST(plan_init_rejects_null_arguments) {
+    uly_plan p;
+    uly_plan_desc d = good_desc();
+    check_status(uly_plan_init(&p, NULL), ULY_EINVAL, "desc", "desc NULL");
+    check_status(uly_plan_init(NULL, &d), ULY_EINVAL, "plan", "plan NULL");
+}
+
+/* ---------------------------------------------------------------------------------------------
+   uly_forward and uly_backward
+
+   A valid layer on SP rank 0 of 2 (B 1, S 8, H 4, Hkv 2, D 8, fp32): 4 local tokens. The
+   communicator is a stub that fails if called: validation comes before any exchange, so a rank
+   with a bad argument never leaves its peers waiting in a collective. */
+
+static int stub_calls;
+static uly_status stub_a2a(void *ctx, const void *s, const int64_t *sc, const int64_t *so, void *r,
+                           const int64_t *rc, const int64_t *ro, void *stream) {
+    (void)ctx, (void)s, (void)sc, (void)so, (void)r, (void)rc, (void)ro, (void)stream;
+    stub_calls++;
+    uly_status st;
+    memset(&st, 0, sizeof st);
+    st.code = ULY_ECOMM;
+    snprintf(st.msg, sizeof st.msg, "stub communicator called");
+    return st;
+}
+static uly_status stub_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
+    (void)ctx, (void)buf, (void)n, (void)stream;
+    return stub_a2a(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+}
+static uly_status stub_barrier(void *ctx) {
+    (void)ctx;
+    return stub_a2a(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+}
+
+enum { FB = 1, FS = 8, FSR = 4, FH = 4, FHKV = 2, FD = 8 };
+
+typedef struct fixture {
+    uly_plan plan;
+    uly_comm comm;
+    uly_layer L;
+    float q[FB * FSR * FH * FD], k[FB * FSR * FHKV * FD], v[FB * FSR * FHKV * FD];
+    float o[FB * FSR * FH * FD], dq[FB * FSR * FH * FD], dk[FB * FSR * FHKV * FD],
+        dv[FB * FSR * FHKV * FD];
+    uly_tensor tq, tk, tv, to, tdo, tdq, tdk, tdv;
+    void *saved, *ws;
+} fixture;
+
+static void fixture_init(fixture *f) {
+    memset(f, 0, sizeof *f);
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = 2, d.rank = 0, d.sp_size = 2, d.batch = FB, d.seq_len = FS, d.n_heads = FH,
+    d.n_kv_heads = FHKV, d.head_dim = FD, d.dtype = ULY_F32;
+    uly_status st = uly_plan_init(&f->plan, &d);
+    CHECK(st.code == ULY_OK, "fixture plan: %s", st.msg);
+    f->comm.size = 2, f->comm.rank = 0;
+    f->comm.alltoallv = stub_a2a, f->comm.allreduce_sum = stub_allreduce;
+    f->comm.barrier = stub_barrier;
+    f->L.plan = &f->plan;
+    f->L.comm = &f->comm;
+    f->L.attn = uly_cpu_attention();
+    f->L.layout = uly_cpu_layout();
+    f->L.causal = 1;
+    f->L.workspace_bytes = uly_layer_workspace(&f->L);
+    f->ws = malloc((size_t)(f->L.workspace_bytes > 0 ? f->L.workspace_bytes : 1));
+    f->L.workspace = f->ws;
+    f->saved = malloc((size_t)uly_saved_bytes(&f->plan));
+    f->tq = uly_dense(f->q, ULY_F32, FB, FSR, FH, FD);
+    f->tk = uly_dense(f->k, ULY_F32, FB, FSR, FHKV, FD);
+    f->tv = uly_dense(f->v, ULY_F32, FB, FSR, FHKV, FD);
+    f->to = uly_dense(f->o, ULY_F32, FB, FSR, FH, FD);
+    f->tdo = uly_dense(f->o, ULY_F32, FB, FSR, FH, FD);
+    f->tdq = uly_dense(f->dq, ULY_F32, FB, FSR, FH, FD);
+    f->tdk = uly_dense(f->dk, ULY_F32, FB, FSR, FHKV, FD);
+    f->tdv = uly_dense(f->dv, ULY_F32, FB, FSR, FHKV, FD);
+}
+static void fixture_free(fixture *f) {
+    free(f->ws);
+    free(f->saved);
+}
+
+static uly_status fwd(fixture *f) { return uly_forward(&f->L, f->tq, f->tk, f->tv, f->to, f->saved); }
+static uly_status bwd(fixture *f) {
+    return uly_backward(&f->L, f->tdo, f->saved, f->tdq, f->tdk, f->tdv);
+}
+
+/* Each breaks one thing of a fresh fixture and makes the call. */
+static uly_status f_q_null(fixture *f) { f->tq.data = NULL; return fwd(f); }
+static uly_status f_k_null(fixture *f) { f->tk.data = NULL; return fwd(f); }
+static uly_status f_out_null(fixture *f) { f->to.data = NULL; return fwd(f); }
+static uly_status f_q_tokens(fixture *f) { f->tq.s = FSR + 1; return fwd(f); }
+static uly_status f_q_heads(fixture *f) { f->tq.h = FH - 1; return fwd(f); }
+static uly_status f_k_heads(fixture *f) { f->tk.h = FH; return fwd(f); }
+static uly_status f_v_dim(fixture *f) { f->tv.d = FD / 2; return fwd(f); }
+static uly_status f_out_batch(fixture *f) { f->to.b = 2; return fwd(f); }
+static uly_status f_q_dtype(fixture *f) { f->tq.dtype = ULY_BF16; return fwd(f); }
+static uly_status f_out_dtype(fixture *f) { f->to.dtype = ULY_F16; return fwd(f); }
+static uly_status f_q_overlap(fixture *f) { f->tq.sh = FD - 1; return fwd(f); }
+static uly_status f_comm_size(fixture *f) { f->comm.size = 3; return fwd(f); }
+static uly_status f_comm_rank(fixture *f) { f->comm.rank = 1; return fwd(f); }
+static uly_status f_comm_null(fixture *f) { f->L.comm = NULL; return fwd(f); }
+static uly_status f_plan_null(fixture *f) { f->L.plan = NULL; return fwd(f); }
+static uly_status f_ws_null(fixture *f) { f->L.workspace = NULL; return fwd(f); }
+static uly_status f_ws_small(fixture *f) { f->L.workspace_bytes -= 1; return fwd(f); }
+static uly_status f_attn_null(fixture *f) { f->L.attn.fwd = NULL; return fwd(f); }
+static uly_status f_layout_null(fixture *f) { f->L.layout.pack = NULL; return fwd(f); }
+static uly_status f_saved_null(fixture *f) { f->saved = NULL; return fwd(f); }
+static uly_status b_dout_null(fixture *f) { f->tdo.data = NULL; return bwd(f); }
+static uly_status b_dq_tokens(fixture *f) { f->tdq.s = FSR - 1; return bwd(f); }
+static uly_status b_dk_heads(fixture *f) { f->tdk.h = FHKV + 1; return bwd(f); }
+static uly_status b_dv_dtype(fixture *f) { f->tdv.dtype = ULY_BF16; return bwd(f); }
+static uly_status b_attn_null(fixture *f) { f->L.attn.bwd = NULL; return bwd(f); }
+static uly_status b_ws_small(fixture *f) { f->L.workspace_bytes = 8; return bwd(f); }
+static uly_status b_saved_null(fixture *f) { f->saved = NULL; return bwd(f); }
+static uly_status b_comm_size(fixture *f) { f->comm.size = 1; return bwd(f); }
+
+typedef struct layer_bad {
+    const char *what;
+    uly_status (*call)(fixture *f);
+    uly_code code;
+    const char *field;
+} layer_bad;
+
+static const layer_bad layer_table[] = {
+    {"forward: q data NULL", f_q_null, ULY_EINVAL, "q"},
+    {"forward: k data NULL", f_k_null, ULY_EINVAL, "k"},
+    {"forward: out data NULL", f_out_null, ULY_EINVAL, "out"},
+    {"forward: q has S_r + 1 tokens", f_q_tokens, ULY_EINVAL, "q"},
+    {"forward: q has H - 1 heads", f_q_heads, ULY_EINVAL, "q"},
+    {"forward: k has H heads, plan says Hkv", f_k_heads, ULY_EINVAL, "k"},
+    {"forward: v head dim D/2", f_v_dim, ULY_EINVAL, "v"},
+    {"forward: out batch 2", f_out_batch, ULY_EINVAL, "out"},
+    {"forward: q bf16, plan fp32", f_q_dtype, ULY_EINVAL, "dtype"},
+    {"forward: out f16, plan fp32", f_out_dtype, ULY_EINVAL, "dtype"},
+    {"forward: q heads overlap (sh < d)", f_q_overlap, ULY_EINVAL, "q"},
+    {"forward: comm size 3, sp_size 2", f_comm_size, ULY_EINVAL, "comm"},
+    {"forward: comm rank 1, sp_rank 0", f_comm_rank, ULY_EINVAL, "comm"},
+    {"forward: comm NULL", f_comm_null, ULY_EINVAL, "comm"},
+    {"forward: plan NULL", f_plan_null, ULY_EINVAL, "plan"},
+    {"forward: workspace NULL", f_ws_null, ULY_EINVAL, "workspace"},
+    {"forward: workspace one byte short", f_ws_small, ULY_EINVAL, "workspace"},
+    {"forward: attn.fwd NULL", f_attn_null, ULY_EINVAL, "attn"},
+    {"forward: layout.pack NULL", f_layout_null, ULY_EINVAL, "layout"},
+    {"forward: saved NULL", f_saved_null, ULY_EINVAL, "saved"},
+    {"backward: dout data NULL", b_dout_null, ULY_EINVAL, "dout"},
+    {"backward: dq has S_r - 1 tokens", b_dq_tokens, ULY_EINVAL, "dq"},
+    {"backward: dk has Hkv + 1 heads", b_dk_heads, ULY_EINVAL, "dk"},
+    {"backward: dv bf16", b_dv_dtype, ULY_EINVAL, "dtype"},
+    {"backward: attn.bwd NULL", b_attn_null, ULY_EINVAL, "attn"},
+    {"backward: workspace of 8 bytes", b_ws_small, ULY_EINVAL, "workspace"},
+    {"backward: saved NULL", b_saved_null, ULY_EINVAL, "saved"},
+    {"backward: comm size 1, sp_size 2", b_comm_size, ULY_EINVAL, "comm"},
+};
+
+TEST(forward_and_backward_reject_each_invalid_argument_before_any_exchange) {
+    for (size_t i = 0; i < sizeof layer_table / sizeof *layer_table; i++) {
+        fixture *f = (fixture *)malloc(sizeof *f);
+        fixture_init(f);
+        stub_calls = 0;
+        check_status(layer_table[i].call(f), layer_table[i].code, layer_table[i].field,
+                     layer_table[i].what);
+        CHECK(stub_calls == 0, "%s: the communicator was called %d times", layer_table[i].what,
+              stub_calls);
+        fixture_free(f);
+        free(f);
+    }
+}
+
+TEST(a_valid_call_reaches_the_communicator_and_returns_its_error) {
+    /* The fixture is valid: the first exchange fails in the stub, and that error comes back. */
+    fixture *f = (fixture *)malloc(sizeof *f);
+    fixture_init(f);
+    for (int i = 0; i < FB * FSR * FH * FD; i++) f->q[i] = 0, f->o[i] = 0;
+    for (int i = 0; i < FB * FSR * FHKV * FD; i++) f->k[i] = f->v[i] = 0;
+    stub_calls = 0;
+    uly_status st = fwd(f);
+    CHECK(stub_calls >= 1, "the communicator was not called");
+    check_status(st, ULY_ECOMM, "stub communicator called", "forward with a failing comm");
+    fixture_free(f);
+    free(f);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   uly_attn_check */
+
+enum { AB = 2, AS = 5, AH = 4, AHKV = 2, AD = 8 };
+static float abuf[AB * AS * AH * AD];
+static float alse[AB * AH * AS];
+
+static uly_attn_args good_args(void) {
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = uly_dense(abuf, ULY_F32, AB, AS, AH, AD);
+    a.k = uly_dense(abuf, ULY_F32, AB, AS, AHKV, AD);
+    a.v = uly_dense(abuf, ULY_F32, AB, AS, AHKV, AD);
+    a.o = uly_dense(abuf, ULY_F32, AB, AS, AH, AD);
+    a.lse = alse;
+    a.dout = a.o;
+    a.dq = a.q;
+    a.dk = a.k;
+    a.dv = a.v;
+    return a;
+}
+
+typedef struct attn_bad {
+    const char *what;
+    int backward;
+    uly_code code;
+    const char *field;
+} attn_bad;
+
+/* Row i of this table is broken by case i of break_args. */
+static const attn_bad attn_table[] = {
+    {"k.h = 3 does not divide q.h = 4", 0, ULY_EINVAL, "k.h"},
+    {"k.d != q.d", 0, ULY_EINVAL, "k.d"},
+    {"v.s != k.s", 0, ULY_EINVAL, "v"},
+    {"o.h != q.h", 0, ULY_EINVAL, "o"},
+    {"k.b != q.b", 0, ULY_EINVAL, "k.b"},
+    {"lse NULL", 0, ULY_EINVAL, "lse"},
+    {"q data NULL", 0, ULY_EINVAL, "q"},
+    {"k bf16, q fp32", 0, ULY_EINVAL, "dtype"},
+    {"kv_group 3 with q.h 4, k.h 2", 0, ULY_EINVAL, "kv_group"},
+    {"backward: dq NULL", 1, ULY_EINVAL, "dq"},
+    {"backward: dk.h != k.h", 1, ULY_EINVAL, "dk"},
+    {"backward: dout.s != q.s", 1, ULY_EINVAL, "dout"},
+};
+
+static void break_args(uly_attn_args *a, int i) {
+    switch (i) {
+    case 0: a->k.h = 3, a->v.h = 3; break;
+    case 1: a->k.d = 16, a->v.d = 16; break;
+    case 2: a->v.s = AS + 1; break;
+    case 3: a->o.h = AH - 1; break;
+    case 4: a->k.b = 1, a->v.b = 1; break;
+    case 5: a->lse = NULL; break;
+    case 6: a->q.data = NULL; break;
+    case 7: a->k.dtype = ULY_BF16, a->v.dtype = ULY_BF16; break;
+    case 8: a->kv_group = 3; break;
+    case 9: a->dq.data = NULL; break;
+    case 10: a->dk.h = 1; break;
+    case 11: a->dout.s = AS - 1; break;
+    }
+}
+
+TEST(attn_check_rejects_each_broken_contract_rule_with_its_field) {
+    uly_attn_args ok = good_args();
+    uly_status st = uly_attn_check(&ok, 1);
+    CHECK(st.code == ULY_OK, "the base args: %s", st.msg);
+    for (int i = 0; i < (int)(sizeof attn_table / sizeof *attn_table); i++) {
+        uly_attn_args a = good_args();
+        break_args(&a, i);
+        check_status(uly_attn_check(&a, attn_table[i].backward), attn_table[i].code,
+                     attn_table[i].field, attn_table[i].what);
+    }
+}
+
+TEST(cpu_attention_refuses_a_broken_contract_instead_of_reading_out_of_bounds) {
+    uly_attn attn = uly_cpu_attention();
+    uly_attn_args a = good_args();
+    a.k.h = 3, a.v.h = 3;
+    check_status(attn.fwd(attn.ctx, &a), ULY_EINVAL, "k.h", "fwd with k.h = 3");
+    check_status(attn.bwd(attn.ctx, &a), ULY_EINVAL, "k.h", "bwd with k.h = 3");
+}
+
+/* ---------------------------------------------------------------------------------------------
+   uly_cross_entropy and uly_local_run */
+
+TEST(cross_entropy_rejects_a_label_out_of_the_vocabulary) {
+    float logits[3 * 4] = {0};
+    int32_t high[3] = {0, 4, 1}, low[3] = {0, -7, 1};
+    double sum = 0;
+    int64_t count = 0;
+    check_status(uly_cross_entropy(logits, high, 3, 4, -100, &sum, &count, NULL), ULY_EINVAL,
+                 "label", "label 4 with v = 4");
+    check_status(uly_cross_entropy(logits, low, 3, 4, -100, &sum, &count, NULL), ULY_EINVAL,
+                 "label", "label -7 that is not ignore_index");
+}
+
+TEST(cross_entropy_rejects_null_logits) {
+    int32_t labels[1] = {0};
+    double sum = 0;
+    int64_t count = 0;
+    check_status(uly_cross_entropy(NULL, labels, 1, 4, -100, &sum, &count, NULL), ULY_EINVAL,
+                 "logits", "logits NULL");
+}
+
+static void never_run(const uly_comm *c, void *u) {
+    (void)c;
+    (*(int *)u)++;
+}
+
+TEST(local_run_rejects_size_0_and_negative_and_above_ULY_MAX_SP) {
+    int runs = 0;
+    check_status(uly_local_run(0, never_run, &runs), ULY_EINVAL, "size", "size 0");
+    check_status(uly_local_run(-3, never_run, &runs), ULY_EINVAL, "size", "size -3");
+    check_status(uly_local_run(ULY_MAX_SP + 1, never_run, &runs), ULY_EINVAL, "size",
+                 "size ULY_MAX_SP + 1");
+    CHECK(runs == 0, "fn ran %d times", runs);
+}
+
+TEST(local_run_rejects_a_null_function) {
+    check_status(uly_local_run(2, NULL, NULL), ULY_EINVAL, "fn", "fn NULL");
+}
+
+int main(void) { return uly_run_tests(); }

@@ -1,0 +1,286 @@
+/* test_mpi.c - the SP layer and the loss over the MPI communicator, run as 4 processes
+   (make test runs `mpirun -np 4 build/test_mpi`).
+
+   Every process makes the same full tensors from a seed and computes the unsharded references
+   itself (uly_cpu_attention and the fp64 attention of ref64.h), runs the layer over
+   uly_mpi_comm and checks its own shard. Checks are collective: a check passes when it holds
+   on every rank (a failing rank prints its details on stderr), so every rank agrees on the
+   result and only rank 0 prints the report and its "N passed, M failed" line. The chunked path
+   (uly_mpi.chunk_bytes = 1000) must move per-peer counts far above the chunk exactly. */
+#include <mpi.h>
+#define ULYSSES_MPI
+#define ULYSSES_IMPLEMENTATION
+#include "../ulysses.h"
+#include "check.h"
+#include "ref64.h"
+#include "sp_case.h"
+
+static int world_rank, world_size;
+
+/* How many ranks report !ok; every rank gets the same answer. */
+static int ranks_failing(int ok) {
+    int bad = !ok;
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    return bad;
+}
+
+/* A check that holds on every rank; the ranks where it fails say why on stderr. */
+#define ALL_CHECK(ok, ...)                                                                     \
+    do {                                                                                       \
+        int ok_ = (ok);                                                                        \
+        if (!ok_) {                                                                            \
+            fprintf(stderr, "     rank %d: ", world_rank);                                     \
+            fprintf(stderr, __VA_ARGS__);                                                      \
+            fprintf(stderr, "\n");                                                             \
+        }                                                                                      \
+        int n_ = ranks_failing(ok_);                                                           \
+        CHECK(n_ == 0, "on %d rank(s): %s", n_, #ok);                                          \
+    } while (0)
+
+static uly_comm mpi_comm(uly_mpi *m, MPI_Comm c, int64_t chunk) {
+    uly_comm comm;
+    memset(&comm, 0, sizeof comm);
+    m->comm = c;
+    m->chunk_bytes = chunk;
+    uly_status st = uly_mpi_comm(m, &comm);
+    ALL_CHECK(st.code == ULY_OK, "uly_mpi_comm: %s", st.msg);
+    return comm;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Comparing this rank's shard: its tokens of out, dq, dk, dv and its heads of lse */
+
+typedef struct shard {
+    int64_t s0, Sr, h0, Hr;
+} shard;
+
+static shard my_shard(const sp_case *c, int sp_rank) {
+    shard s;
+    s.Sr = c->S / c->P + (sp_rank < c->S % c->P);
+    s.s0 = sp_rank * (c->S / c->P) + (sp_rank < c->S % c->P ? sp_rank : c->S % c->P);
+    s.Hr = c->H / c->P + (sp_rank < c->H % c->P);
+    s.h0 = sp_rank * (c->H / c->P) + (sp_rank < c->H % c->P ? sp_rank : c->H % c->P);
+    return s;
+}
+
+/* Rows [s0, s0 + Sr) of [B, S, X, D] arrays, or (lse) heads [h0, h0 + Hr) of [B, H, S]. */
+static double rows_diff_ff(const float *a, const float *b, int64_t B, int64_t S, int64_t row,
+                           int64_t s0, int64_t n, int bits) {
+    double m = 0;
+    for (int64_t bi = 0; bi < B; bi++) {
+        int64_t off = (bi * S + s0) * row;
+        double e = bits ? (double)ref_bitdiff(a + off, b + off, n * row)
+                        : ref_maxdiff_ff(a + off, b + off, n * row);
+        if (!(e <= m)) m = e;
+    }
+    return m;
+}
+static double rows_diff_fd(const float *a, const double *b, int64_t B, int64_t S, int64_t row,
+                           int64_t s0, int64_t n) {
+    double m = 0;
+    for (int64_t bi = 0; bi < B; bi++) {
+        int64_t off = (bi * S + s0) * row;
+        double e = ref_maxdiff_fd(a + off, b + off, n * row);
+        if (!(e <= m)) m = e;
+    }
+    return m;
+}
+
+/* Runs case c on this rank over comm (an SP group; this process is `world_rank` of the world)
+   and checks the shard against uly_cpu_attention (bits / 1e-6) and fp64 (1e-5). */
+static void check_layer(const uly_comm *comm, const sp_case *c, uint64_t seed, const char *what) {
+    sp_full f = sp_alloc(c, seed), cpu = sp_alloc(c, seed);
+    uly_status st = sp_run_rank(comm, world_size, world_rank, c, &f);
+    ALL_CHECK(st.code == ULY_OK, "%s: %s", what, st.msg);
+    st = sp_cpu_reference(c, &cpu);
+    ALL_CHECK(st.code == ULY_OK, "%s: cpu reference: %s", what, st.msg);
+    ref_shape rs = {c->B, c->S, c->S, c->H, c->Hkv, c->D, c->causal, c->scale};
+    double *o = ref_alloc_d(sp_nq(c)), *lse = ref_alloc_d(sp_nlse(c)), *dq = ref_alloc_d(sp_nq(c));
+    double *dk = ref_alloc_d(sp_nkv(c)), *dv = ref_alloc_d(sp_nkv(c));
+    ref64_forward(&rs, f.q, f.k, f.v, o, lse);
+    ref64_backward(&rs, f.q, f.k, f.v, f.dout, dq, dk, dv);
+
+    shard s = my_shard(c, comm->rank);
+    int64_t qrow = c->H * c->D, kvrow = c->Hkv * c->D, H = c->H;
+    double out_bits = rows_diff_ff(f.out, cpu.out, c->B, c->S, qrow, s.s0, s.Sr, 1);
+    double lse_bits = rows_diff_ff(f.lse, cpu.lse, c->B, H, c->S, s.h0, s.Hr, 1);
+    double dq_bits = rows_diff_ff(f.dq, cpu.dq, c->B, c->S, qrow, s.s0, s.Sr, 1);
+    ALL_CHECK(out_bits == 0 && lse_bits == 0 && dq_bits == 0,
+              "%s " SP_CASE_FMT ": %g out, %g lse, %g dq values differ from uly_cpu_attention",
+              what, SP_CASE_ARGS(c), out_bits, lse_bits, dq_bits);
+    double ek = rows_diff_ff(f.dk, cpu.dk, c->B, c->S, kvrow, s.s0, s.Sr, 0);
+    double ev = rows_diff_ff(f.dv, cpu.dv, c->B, c->S, kvrow, s.s0, s.Sr, 0);
+    ALL_CHECK(ek <= 1e-6 && ev <= 1e-6, "%s " SP_CASE_FMT ": dk %g dv %g from uly_cpu_attention",
+              what, SP_CASE_ARGS(c), ek, ev);
+    double e[5] = {rows_diff_fd(f.out, o, c->B, c->S, qrow, s.s0, s.Sr),
+                   rows_diff_fd(f.lse, lse, c->B, H, c->S, s.h0, s.Hr),
+                   rows_diff_fd(f.dq, dq, c->B, c->S, qrow, s.s0, s.Sr),
+                   rows_diff_fd(f.dk, dk, c->B, c->S, kvrow, s.s0, s.Sr),
+                   rows_diff_fd(f.dv, dv, c->B, c->S, kvrow, s.s0, s.Sr)};
+    ALL_CHECK(e[0] <= 1e-5 && e[1] <= 1e-5 && e[2] <= 1e-5 && e[3] <= 1e-5 && e[4] <= 1e-5,
+              "%s " SP_CASE_FMT ": fp64 errors out %g lse %g dq %g dk %g dv %g", what,
+              SP_CASE_ARGS(c), e[0], e[1], e[2], e[3], e[4]);
+    free(o), free(lse), free(dq), free(dk), free(dv);
+    sp_free(&f);
+    sp_free(&cpu);
+}
+
+/* P = 4 cases, one per world of 4 processes. */
+static const sp_case mpi_cases[] = {
+    {4, 2, 67, 8, 8, 16, 1, 0, 0},  /* MHA, uneven S, B > 1 */
+    {4, 2, 67, 8, 2, 16, 1, 1, 0},  /* GQA, Hkv < P, fused views */
+    {4, 1, 31, 6, 1, 8, 0, 0, 0},   /* MQA, uneven H, not causal */
+    {4, 3, 13, 5, 5, 8, 1, 1, 0},   /* uneven everything */
+};
+enum { NMPI = sizeof mpi_cases / sizeof *mpi_cases };
+
+/* ---------------------------------------------------------------------------------------------
+   Tests */
+
+TEST(mpi_comm_reports_size_and_rank_of_its_communicator) {
+    uly_mpi m;
+    uly_comm c = mpi_comm(&m, MPI_COMM_WORLD, 0);
+    ALL_CHECK(c.size == world_size && c.rank == world_rank && c.device == 0,
+              "size %d rank %d device %d", c.size, c.rank, c.device);
+    ALL_CHECK(c.barrier(c.ctx).code == ULY_OK, "barrier failed");
+}
+
+TEST(layer_over_mpi_matches_the_unsharded_references_on_every_shard) {
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 0);
+    for (int i = 0; i < NMPI; i++) check_layer(&comm, &mpi_cases[i], 2000 + (uint64_t)i, "unchunked");
+}
+
+TEST(layer_over_mpi_with_1000_byte_chunks_matches_the_unsharded_references) {
+    /* Per-peer counts of the first case: Q 2*17*2*16*4 = 4352 bytes, KV 2*17*2*16*4, all far
+       above the 1000-byte chunk and not multiples of it. */
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 1000);
+    for (int i = 0; i < NMPI; i++) check_layer(&comm, &mpi_cases[i], 2000 + (uint64_t)i, "chunked");
+}
+
+/* Bytes rank i sends to rank j in the alltoallv tests: 0, below, at and above the chunk. */
+static int64_t a2a_count(int i, int j) {
+    static const int64_t c[16] = {0, 1, 999, 1000, 1001, 2000, 2999, 4321,
+                                  7, 12345, 1999, 0, 3001, 5000, 998, 2048};
+    return c[(i * 4 + j) % 16];
+}
+static unsigned char a2a_byte(int i, int j, int64_t k) {
+    return (unsigned char)(i * 31 + j * 17 + k * 7 + k / 251);
+}
+
+static void check_alltoallv(int64_t chunk) {
+    int P = world_size, me = world_rank;
+    int64_t sc[ULY_MAX_SP], so[ULY_MAX_SP], rc[ULY_MAX_SP], ro[ULY_MAX_SP];
+    int64_t st = 0, rt = 0;
+    for (int j = 0; j < P; j++) {
+        /* blocks in reverse peer order with 3-byte gaps: offsets, not positions, place them */
+        sc[j] = a2a_count(me, j);
+        rc[j] = a2a_count(j, me);
+    }
+    for (int j = P - 1; j >= 0; j--) {
+        so[j] = st, st += sc[j] + 3;
+        ro[j] = rt, rt += rc[j] + 3;
+    }
+    unsigned char *send = (unsigned char *)malloc((size_t)st), *recv = (unsigned char *)malloc((size_t)rt);
+    memset(send, 0xEE, (size_t)st);
+    memset(recv, 0xAB, (size_t)rt);
+    for (int j = 0; j < P; j++)
+        for (int64_t k = 0; k < sc[j]; k++) send[so[j] + k] = a2a_byte(me, j, k);
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, chunk);
+    uly_status s = comm.alltoallv(comm.ctx, send, sc, so, recv, rc, ro, NULL);
+    ALL_CHECK(s.code == ULY_OK, "alltoallv (chunk %lld): %s", (long long)chunk, s.msg);
+    int64_t wrong = 0, gap = 0;
+    for (int i = 0; i < P; i++) {
+        for (int64_t k = 0; k < rc[i]; k++) wrong += recv[ro[i] + k] != a2a_byte(i, me, k);
+        for (int64_t k = 0; k < 3; k++) gap += recv[ro[i] + rc[i] + k] != 0xAB;
+    }
+    ALL_CHECK(wrong == 0 && gap == 0, "chunk %lld: %lld wrong bytes, %lld gap bytes written",
+              (long long)chunk, (long long)wrong, (long long)gap);
+    free(send);
+    free(recv);
+}
+
+TEST(alltoallv_moves_counts_above_the_chunk_limit_exactly) { check_alltoallv(1000); }
+
+TEST(alltoallv_with_tiny_7_byte_chunks_moves_every_byte) { check_alltoallv(7); }
+
+TEST(alltoallv_without_chunk_limit_honours_counts_and_offsets) { check_alltoallv(0); }
+
+TEST(allreduce_sum_adds_every_ranks_doubles_in_place) {
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 0);
+    double buf[5];
+    for (int i = 0; i < 5; i++) buf[i] = world_rank * 10.0 + i + 0.5;
+    uly_status st = comm.allreduce_sum(comm.ctx, buf, 5, NULL);
+    ALL_CHECK(st.code == ULY_OK, "%s", st.msg);
+    int bad = 0;
+    for (int i = 0; i < 5; i++) bad += buf[i] != 10.0 * (0 + 1 + 2 + 3) + 4 * (i + 0.5);
+    ALL_CHECK(bad == 0, "%d sums wrong (buf[0] = %g)", bad, buf[0]);
+}
+
+TEST(mpi_split_makes_sp_groups_of_consecutive_ranks_and_dp_groups_across) {
+    MPI_Comm sp = MPI_COMM_NULL, dp = MPI_COMM_NULL;
+    uly_status st = uly_mpi_split(MPI_COMM_WORLD, 2, &sp, &dp);
+    ALL_CHECK(st.code == ULY_OK, "%s", st.msg);
+    if (st.code) return; /* the same on every rank */
+    int sps, spr, dps, dpr, members[2];
+    MPI_Comm_size(sp, &sps);
+    MPI_Comm_rank(sp, &spr);
+    MPI_Comm_size(dp, &dps);
+    MPI_Comm_rank(dp, &dpr);
+    MPI_Allgather(&world_rank, 1, MPI_INT, members, 1, MPI_INT, sp);
+    ALL_CHECK(sps == 2 && spr == world_rank % 2 && dps == 2 && dpr == world_rank / 2,
+              "sp %d/%d dp %d/%d", spr, sps, dpr, dps);
+    int base = world_rank - world_rank % 2;
+    ALL_CHECK(members[0] == base && members[1] == base + 1, "SP group {%d, %d}", members[0],
+              members[1]);
+    MPI_Comm_free(&sp);
+    MPI_Comm_free(&dp);
+}
+
+TEST(two_dp_groups_of_sp_2_each_run_their_own_layer) {
+    MPI_Comm sp = MPI_COMM_NULL, dp = MPI_COMM_NULL;
+    uly_status st = uly_mpi_split(MPI_COMM_WORLD, 2, &sp, &dp);
+    ALL_CHECK(st.code == ULY_OK, "%s", st.msg);
+    if (st.code) return;
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, sp, 1000);
+    /* Each DP group has its own data (seed) and checks against its own references. */
+    sp_case c = {2, 2, 23, 5, 1, 8, 1, 0, 0};
+    check_layer(&comm, &c, 3000 + (uint64_t)(world_rank / 2), "dp group");
+    MPI_Comm_free(&sp);
+    MPI_Comm_free(&dp);
+}
+
+TEST(loss_reduce_over_mpi_with_an_empty_rank_is_sum_all_over_count_all) {
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 0);
+    /* rank r adds r * 1.5 over 2r tokens: rank 0 has none */
+    double mean = -1, scale = -1;
+    uly_status st = uly_loss_reduce(&comm, world_rank * 1.5, 2 * world_rank, &mean, &scale);
+    ALL_CHECK(st.code == ULY_OK, "%s", st.msg);
+    ALL_CHECK(fabs(mean - 9.0 / 12.0) <= 1e-12 && fabs(scale - 1.0 / 12.0) <= 1e-15,
+              "mean %.17g scale %.17g", mean, scale);
+}
+
+TEST(loss_reduce_over_mpi_with_no_valid_token_anywhere_is_zero_not_nan) {
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 0);
+    double mean = -1, scale = -1;
+    uly_status st = uly_loss_reduce(&comm, 0.0, 0, &mean, &scale);
+    ALL_CHECK(st.code == ULY_OK && mean == 0 && scale == 0, "mean %g scale %g (%s)", mean, scale,
+              st.msg);
+}
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    /* Checks are collective, so every rank has the same results: rank 0 reports them. */
+    if (world_rank != 0 && !freopen("/dev/null", "w", stdout)) return 1;
+    int rc = world_size == 4 ? uly_run_tests() : (printf("0 passed, 1 failed (needs -np 4)\n"), 1);
+    MPI_Finalize();
+    return rc;
+}
