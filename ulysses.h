@@ -314,3 +314,1149 @@ ULYDEF uly_status uly_loss_reduce(const uly_comm *c, double loss_sum, int64_t co
 }
 #endif
 #endif /* ULYSSES_H */
+
+/* =============================================================================================
+   Implementation */
+
+#ifdef ULYSSES_IMPLEMENTATION
+
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#ifndef ULY_ASSERT
+#include <assert.h>
+#define ULY_ASSERT(x) assert(x)
+#endif
+#ifndef ULYSSES_NO_THREADS
+#include <pthread.h>
+#endif
+
+#ifdef __GNUC__
+#pragma GCC diagnostic push
+/* Under ULYSSES_STATIC a program calls only some of the functions. */
+#pragma GCC diagnostic ignored "-Wunused-function"
+#define ULY__PRINTF __attribute__((format(printf, 2, 3)))
+#else
+#define ULY__PRINTF
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+   Status and size arithmetic */
+
+#define ULY__LL(x) ((long long)(x))
+/* Returns the error from the enclosing function unless cond holds. */
+#define ULY__CHECK(cond, code, ...)                                                           \
+    do {                                                                                      \
+        if (!(cond)) return uly__err(code, __VA_ARGS__);                                     \
+    } while (0)
+#define ULY__TRY(call)                                                                        \
+    do {                                                                                      \
+        uly_status uly__st = (call);                                                          \
+        if (uly__st.code) return uly__st;                                                     \
+    } while (0)
+
+static ULY__PRINTF uly_status uly__err(uly_code code, const char *fmt, ...) {
+    uly_status s;
+    va_list ap;
+    s.code = code;
+    va_start(ap, fmt);
+    vsnprintf(s.msg, sizeof s.msg, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+static uly_status uly__ok(void) {
+    uly_status s;
+    s.code = ULY_OK;
+    s.msg[0] = 0;
+    return s;
+}
+
+/* Sizes: an overflow, or an operand that already overflowed (-1), gives -1, so a chain of them
+   is checked once at its end. */
+static int64_t uly__mul(int64_t a, int64_t b) {
+    int64_t r;
+    return a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r) ? -1 : r;
+}
+
+static int64_t uly__add(int64_t a, int64_t b) {
+    int64_t r;
+    return a < 0 || b < 0 || __builtin_add_overflow(a, b, &r) ? -1 : r;
+}
+
+/* Buffers inside the workspace and `saved` start on 256-byte boundaries (GPU vector loads). */
+static int64_t uly__align(int64_t n) {
+    return n < 0 || n > INT64_MAX - 255 ? -1 : (n + 255) & ~(int64_t)255;
+}
+
+static int64_t uly__max(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t uly__min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static void *uly__ptr(void *base, int64_t off) { return base ? (char *)base + off : NULL; }
+
+/* ---------------------------------------------------------------------------------------------
+   Tensors */
+
+ULYDEF int64_t uly_dtype_size(uly_dtype t) {
+    return t == ULY_F32 ? 4 : t == ULY_BF16 || t == ULY_F16 ? 2 : 0;
+}
+
+static const char *uly__dtype_name(uly_dtype t) {
+    return t == ULY_F32 ? "f32" : t == ULY_BF16 ? "bf16" : t == ULY_F16 ? "f16" : "invalid";
+}
+
+ULYDEF uly_tensor uly_dense(void *data, uly_dtype t, int64_t b, int64_t s, int64_t h, int64_t d) {
+    uly_tensor x;
+    x.data = data;
+    x.b = b, x.s = s, x.h = h, x.d = d;
+    x.sh = d;
+    x.ss = uly__mul(h, d);
+    x.sb = uly__mul(s, x.ss);
+    x.dtype = t;
+    return x;
+}
+
+/* Address of row (b, s, h). */
+static char *uly__at(uly_tensor t, int64_t b, int64_t s, int64_t h) {
+    return (char *)t.data + (b * t.sb + s * t.ss + h * t.sh) * uly_dtype_size(t.dtype);
+}
+
+/* A slice out of range has no data, so whatever it is passed to rejects it. */
+ULYDEF uly_tensor uly_head_slice(uly_tensor t, int64_t h0, int64_t n) {
+    int ok = t.data && h0 >= 0 && n >= 0 && h0 <= t.h - n && t.sh >= 0;
+    t.data = ok ? uly__at(t, 0, 0, h0) : NULL;
+    t.h = n;
+    return t;
+}
+
+static uly_tensor uly__token_slice(uly_tensor t, int64_t s0, int64_t n) {
+    t.data = uly__at(t, 0, s0, 0);
+    t.s = n;
+    return t;
+}
+
+ULYDEF void uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, int64_t nq, int64_t nkv,
+                          int64_t d, uly_tensor *q, uly_tensor *k, uly_tensor *v) {
+    uly_tensor all = uly_dense(qkv, t, b, s, uly__add(nq, uly__mul(2, nkv)), d);
+    if (!q || !k || !v) return;
+    *q = uly_head_slice(all, 0, nq);
+    *k = uly_head_slice(all, nq, nkv);
+    *v = uly_head_slice(all, uly__add(nq, nkv), nkv);
+}
+
+/* The rules of every view: data, a positive shape, strides that keep its rows of d elements
+   apart, and byte offsets that fit int64. Visiting the dims from the smallest stride up, each
+   stride must step over everything inside it. */
+static uly_status uly__check_view(const char *name, uly_tensor t) {
+    int64_t ext[3] = {t.b, t.s, t.h}, str[3] = {t.sb, t.ss, t.sh}, span = t.d;
+    const char *dim[3] = {"sb", "ss", "sh"};
+    ULY__CHECK(t.data, ULY_EINVAL, "%s: data is NULL", name);
+    ULY__CHECK(uly_dtype_size(t.dtype), ULY_EINVAL, "%s: dtype (%d) is not a uly_dtype", name,
+               (int)t.dtype);
+    ULY__CHECK(t.b > 0 && t.s > 0 && t.h > 0 && t.d > 0, ULY_EINVAL,
+               "%s: shape [%lld, %lld, %lld, %lld] must be positive", name, ULY__LL(t.b),
+               ULY__LL(t.s), ULY__LL(t.h), ULY__LL(t.d));
+    ULY__CHECK(t.sb >= 0 && t.ss >= 0 && t.sh >= 0, ULY_EINVAL,
+               "%s: strides (sb %lld, ss %lld, sh %lld) must be >= 0", name, ULY__LL(t.sb),
+               ULY__LL(t.ss), ULY__LL(t.sh));
+    for (;;) {
+        int m = -1;
+        for (int i = 0; i < 3; i++)
+            if (ext[i] > 1 && (m < 0 || str[i] < str[m])) m = i;
+        if (m < 0) break;
+        ULY__CHECK(str[m] >= span, ULY_EINVAL,
+                   "%s: %s (%lld) < %lld: rows of the view overlap (the last dim must be "
+                   "contiguous and rows apart)", name, dim[m], ULY__LL(str[m]), ULY__LL(span));
+        span = uly__add(uly__mul(str[m], ext[m] - 1), span);
+        ext[m] = 1;
+    }
+    ULY__CHECK(uly__mul(span, uly_dtype_size(t.dtype)) >= 0, ULY_EOVERFLOW,
+               "%s: the view spans more bytes than int64 holds", name);
+    return uly__ok();
+}
+
+/* t is a valid view with the shape and dtype of want. */
+static uly_status uly__check_like(const char *name, uly_tensor t, uly_tensor want) {
+    ULY__CHECK(t.data, ULY_EINVAL, "%s: data is NULL", name);
+    ULY__CHECK(t.b == want.b && t.s == want.s && t.h == want.h && t.d == want.d, ULY_EINVAL,
+               "%s: shape [%lld, %lld, %lld, %lld], want [%lld, %lld, %lld, %lld]", name,
+               ULY__LL(t.b), ULY__LL(t.s), ULY__LL(t.h), ULY__LL(t.d), ULY__LL(want.b),
+               ULY__LL(want.s), ULY__LL(want.h), ULY__LL(want.d));
+    ULY__CHECK(t.dtype == want.dtype, ULY_EINVAL, "%s: dtype %s, want %s", name,
+               uly__dtype_name(t.dtype), uly__dtype_name(want.dtype));
+    return uly__check_view(name, t);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The plan */
+
+static int uly__is_kv(uly_xchg x) { return x == ULY_X_KV || x == ULY_X_DKV; }
+static int uly__to_head(uly_xchg x) { return x == ULY_X_Q || x == ULY_X_KV; }
+
+/* The fields the formulas divide by are sane: p came from uly_plan_init. */
+static int uly__plan_ok(const uly_plan *p) {
+    return p && p->desc.sp_size >= 1 && p->desc.sp_size <= ULY_MAX_SP && p->group >= 1 &&
+           p->sp_rank >= 0 && p->sp_rank < p->desc.sp_size;
+}
+
+/* n items over P ranks in order, the first n % P ranks one more. */
+static uly_range uly__split(int64_t n, int P, int r) {
+    uly_range g;
+    int64_t q = n / P, m = n % P;
+    g.start = r * q + uly__min(r, m);
+    g.count = q + (r < m);
+    return g;
+}
+
+static uly_range uly__none(void) {
+    uly_range g = {0, 0};
+    return g;
+}
+
+ULYDEF uly_range uly_tokens(const uly_plan *p, int sp_rank) {
+    if (!uly__plan_ok(p) || sp_rank < 0 || sp_rank >= p->desc.sp_size) return uly__none();
+    return uly__split(p->desc.seq_len, p->desc.sp_size, sp_rank);
+}
+
+ULYDEF uly_range uly_heads(const uly_plan *p, int sp_rank) {
+    if (!uly__plan_ok(p) || sp_rank < 0 || sp_rank >= p->desc.sp_size) return uly__none();
+    return uly__split(p->desc.n_heads, p->desc.sp_size, sp_rank);
+}
+
+/* The kv heads of the first and the last query head of the rank, and all between. */
+ULYDEF uly_range uly_kv_heads(const uly_plan *p, int sp_rank) {
+    uly_range h = uly_heads(p, sp_rank), kv;
+    if (!h.count) return h;
+    kv.start = h.start / p->group;
+    kv.count = (h.start + h.count - 1) / p->group - kv.start + 1;
+    return kv;
+}
+
+/* The heads exchange x moves for an SP rank. */
+static uly_range uly__xheads(const uly_plan *p, uly_xchg x, int r) {
+    return uly__is_kv(x) ? uly_kv_heads(p, r) : uly_heads(p, r);
+}
+
+/* A kv head is needed by two ranks when a rank's first query head is not the first of its
+   group; then the DKV exchange sums gradient copies. */
+static int uly__kv_shared(const uly_plan *p) {
+    for (int r = 1; r < p->desc.sp_size; r++)
+        if (uly_heads(p, r).start % p->group) return 1;
+    return 0;
+}
+
+/* Bytes of a [B, tokens, heads, D] block. */
+static int64_t uly__bytes(const uly_plan *p, int64_t tokens, int64_t heads) {
+    int64_t n = uly__mul(p->desc.batch, tokens);
+    return uly__mul(uly__mul(uly__mul(n, heads), p->desc.head_dim), p->elem_size);
+}
+
+/* The two layouts of exchange x on this rank, as dense tensors. */
+static uly_tensor uly__seq_layout(const uly_plan *p, uly_xchg x, void *data) {
+    const uly_plan_desc *d = &p->desc;
+    return uly_dense(data, d->dtype, d->batch, uly_tokens(p, p->sp_rank).count,
+                     uly__is_kv(x) ? d->n_kv_heads : d->n_heads, d->head_dim);
+}
+
+static uly_tensor uly__head_layout(const uly_plan *p, uly_xchg x, void *data) {
+    const uly_plan_desc *d = &p->desc;
+    return uly_dense(data, d->dtype, d->batch, d->seq_len, uly__xheads(p, x, p->sp_rank).count,
+                     d->head_dim);
+}
+
+/* For peer j, rank r holds the block [B, S_r, H_j, D] in sequence layout and [B, S_j, H_r, D]
+   in head layout. seq->head sends the first and receives the second; head->seq the reverse. */
+ULYDEF void uly_exchange_counts(const uly_plan *p, uly_xchg x, int64_t *send_counts,
+                                int64_t *send_offs, int64_t *recv_counts, int64_t *recv_offs) {
+    int64_t sent = 0, got = 0;
+    if (!uly__plan_ok(p) || !send_counts || !send_offs || !recv_counts || !recv_offs) return;
+    for (int j = 0; j < p->desc.sp_size; j++) {
+        int r = p->sp_rank;
+        int64_t seq = uly__bytes(p, uly_tokens(p, r).count, uly__xheads(p, x, j).count);
+        int64_t head = uly__bytes(p, uly_tokens(p, j).count, uly__xheads(p, x, r).count);
+        send_counts[j] = uly__to_head(x) ? seq : head;
+        recv_counts[j] = uly__to_head(x) ? head : seq;
+        send_offs[j] = sent, recv_offs[j] = got;
+        sent += send_counts[j], got += recv_counts[j];
+    }
+}
+
+/* Sums of the counts: [0] sent, [1] received. */
+static void uly__xbytes(const uly_plan *p, uly_xchg x, int64_t total[2]) {
+    int64_t c[4][ULY_MAX_SP];
+    total[0] = total[1] = 0;
+    if (!uly__plan_ok(p)) return;
+    uly_exchange_counts(p, x, c[0], c[1], c[2], c[3]);
+    for (int j = 0; j < p->desc.sp_size; j++) total[0] += c[0][j], total[1] += c[2][j];
+}
+
+ULYDEF int64_t uly_send_bytes(const uly_plan *p, uly_xchg x) {
+    int64_t t[2];
+    uly__xbytes(p, x, t);
+    return t[0];
+}
+
+ULYDEF int64_t uly_recv_bytes(const uly_plan *p, uly_xchg x) {
+    int64_t t[2];
+    uly__xbytes(p, x, t);
+    return t[1];
+}
+
+/* The largest message of any exchange goes from the rank with the most tokens to the rank
+   with the most heads (ranks 0 and 0). */
+static uly_status uly__check_peer_bytes(const uly_plan *p, int64_t max_bytes, const char *field) {
+    int64_t peer = uly__bytes(p, uly_tokens(p, 0).count, uly_heads(p, 0).count);
+    ULY__CHECK(!max_bytes || peer <= max_bytes, ULY_EOVERFLOW,
+               "%s (%lld) < %lld bytes, the largest per-peer message (%lld tokens x %lld heads)",
+               field, ULY__LL(max_bytes), ULY__LL(peer), ULY__LL(uly_tokens(p, 0).count),
+               ULY__LL(uly_heads(p, 0).count));
+    return uly__ok();
+}
+
+static uly_status uly__check_desc(const uly_plan_desc *d) {
+    int P = d->sp_size;
+    ULY__CHECK(P >= 1 && P <= ULY_MAX_SP, ULY_EINVAL, "sp_size (%d) must be in [1, %d]", P,
+               ULY_MAX_SP);
+    ULY__CHECK(d->world_size >= 1 && d->world_size % P == 0, ULY_EINVAL,
+               "world_size (%d) must be a positive multiple of sp_size (%d)", d->world_size, P);
+    ULY__CHECK(d->rank >= 0 && d->rank < d->world_size, ULY_EINVAL,
+               "rank (%d) must be in [0, world_size (%d))", d->rank, d->world_size);
+    ULY__CHECK(d->batch >= 1, ULY_EINVAL, "batch (%lld) must be >= 1", ULY__LL(d->batch));
+    ULY__CHECK(d->seq_len >= P, ULY_EINVAL,
+               "sp_size (%d) > seq_len (%lld): every rank needs at least one token", P,
+               ULY__LL(d->seq_len));
+    ULY__CHECK(d->n_heads >= P, ULY_EINVAL,
+               "sp_size (%d) > n_heads (%lld): every rank needs at least one query head", P,
+               ULY__LL(d->n_heads));
+    ULY__CHECK(d->n_kv_heads >= 1 && d->n_heads % d->n_kv_heads == 0, ULY_EINVAL,
+               "n_kv_heads (%lld) must divide n_heads (%lld) (0 means n_heads)",
+               ULY__LL(d->n_kv_heads), ULY__LL(d->n_heads));
+    ULY__CHECK(d->head_dim >= 1, ULY_EINVAL, "head_dim (%lld) must be >= 1",
+               ULY__LL(d->head_dim));
+    ULY__CHECK(uly_dtype_size(d->dtype), ULY_EINVAL, "dtype (%d) is not a uly_dtype",
+               (int)d->dtype);
+    ULY__CHECK(d->max_bytes >= 0, ULY_EINVAL, "max_bytes (%lld) must be >= 0 (0 = no limit)",
+               ULY__LL(d->max_bytes));
+    return uly__ok();
+}
+
+
+/* ---------------------------------------------------------------------------------------------
+   Buffers: what the forward saves for the backward, and the layer's scratch */
+
+/* Head-layout tensors of this rank: q and o [B, S, H_r, D], k and v [B, S, KVH_r, D]. */
+typedef struct uly__heads {
+    uly_tensor q, k, v, o;
+} uly__heads;
+
+/* Lays out q, k, v, o from base, in this order (base NULL: sizes only). Returns the bytes,
+   -1 on overflow. */
+static int64_t uly__heads_at(const uly_plan *p, void *base, uly__heads *t) {
+    int64_t nq = uly__align(uly__bytes(p, p->desc.seq_len, uly_heads(p, p->sp_rank).count));
+    int64_t nkv = uly__align(uly__bytes(p, p->desc.seq_len, uly_kv_heads(p, p->sp_rank).count));
+    t->q = uly__head_layout(p, ULY_X_Q, base);
+    t->k = uly__head_layout(p, ULY_X_KV, uly__ptr(base, nq));
+    t->v = uly__head_layout(p, ULY_X_KV, uly__ptr(base, uly__add(nq, nkv)));
+    t->o = uly__head_layout(p, ULY_X_Q, uly__ptr(base, uly__add(nq, uly__mul(2, nkv))));
+    return uly__mul(2, uly__add(nq, nkv));
+}
+
+/* saved = the head-layout q, k, v, o, then lse [B, H_r, S] in fp32. */
+ULYDEF int64_t uly_saved_bytes(const uly_plan *p) {
+    uly__heads h;
+    int64_t lse;
+    if (!uly__plan_ok(p)) return 0;
+    lse = uly__mul(uly__mul(p->desc.batch, uly_heads(p, p->sp_rank).count), p->desc.seq_len);
+    return uly__add(uly__heads_at(p, NULL, &h), uly__align(uly__mul(lse, 4)));
+}
+
+ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved) {
+    uly__heads h;
+    if (!uly__plan_ok(p) || !saved) return NULL;
+    return (float *)uly__ptr(saved, uly__heads_at(p, NULL, &h));
+}
+
+/* The layer's scratch: one send and one receive buffer, each big enough for every exchange,
+   the head-layout gradients of the backward (dO in grad.o), then the attention's workspace. */
+typedef struct uly__work {
+    void *send, *recv, *attn;
+    uly__heads grad;
+} uly__work;
+
+/* Lays out the scratch from base (NULL: sizes only); returns the bytes before the attention's
+   part, -1 on overflow. */
+static int64_t uly__work_at(const uly_plan *p, void *base, uly__work *w) {
+    int64_t send = 0, recv = 0, at;
+    for (int x = ULY_X_Q; x <= ULY_X_DKV; x++) {
+        int64_t t[2];
+        uly__xbytes(p, (uly_xchg)x, t);
+        send = uly__max(send, t[0]), recv = uly__max(recv, t[1]);
+    }
+    w->send = base;
+    at = uly__align(send);
+    w->recv = uly__ptr(base, at);
+    at = uly__add(at, uly__align(recv));
+    at = uly__add(at, uly__heads_at(p, uly__ptr(base, at), &w->grad));
+    w->attn = uly__ptr(base, at);
+    return at;
+}
+
+ULYDEF uly_status uly_plan_init(uly_plan *p, const uly_plan_desc *desc) {
+    uly_plan q;
+    uly__work w;
+    ULY__CHECK(p && desc, ULY_EINVAL, "uly_plan_init: %s is NULL", p ? "desc" : "p");
+    memset(&q, 0, sizeof q);
+    q.desc = *desc;
+    if (!q.desc.n_kv_heads) q.desc.n_kv_heads = q.desc.n_heads;
+    ULY__TRY(uly__check_desc(&q.desc));
+    q.sp_rank = q.desc.rank % q.desc.sp_size;
+    q.dp_rank = q.desc.rank / q.desc.sp_size;
+    q.group = q.desc.n_heads / q.desc.n_kv_heads;
+    q.elem_size = uly_dtype_size(q.desc.dtype);
+    /* Every size derived later is at most one of these, so the queries need no checks. */
+    ULY__CHECK(uly__bytes(&q, q.desc.seq_len, uly__add(q.desc.n_heads, uly__mul(2, q.desc.n_kv_heads))) >= 0 &&
+                   uly_saved_bytes(&q) >= 0 && uly__work_at(&q, NULL, &w) >= 0,
+               ULY_EOVERFLOW,
+               "batch (%lld) x seq_len (%lld) x heads (%lld + 2 x %lld) x head_dim (%lld) x "
+               "%lld bytes overflows int64", ULY__LL(q.desc.batch), ULY__LL(q.desc.seq_len),
+               ULY__LL(q.desc.n_heads), ULY__LL(q.desc.n_kv_heads), ULY__LL(q.desc.head_dim),
+               ULY__LL(q.elem_size));
+    ULY__TRY(uly__check_peer_bytes(&q, q.desc.max_bytes, "max_bytes"));
+    *p = q;
+    return uly__ok();
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Communicators */
+
+/* The local rules of an alltoallv call: arrays present, counts and offsets nonnegative and
+   within max_bytes, buffers present where bytes move. */
+static uly_status uly__check_counts(int P, int64_t max_bytes, const void *send, const int64_t *sc,
+                                    const int64_t *so, const void *recv, const int64_t *rc,
+                                    const int64_t *ro) {
+    ULY__CHECK(sc && so && rc && ro, ULY_EINVAL, "alltoallv: a count or offset array is NULL");
+    for (int j = 0; j < P; j++) {
+        ULY__CHECK(uly__add(so[j], sc[j]) >= 0 && uly__add(ro[j], rc[j]) >= 0, ULY_EINVAL,
+                   "alltoallv: peer %d: send %lld bytes at %lld, recv %lld at %lld: counts and "
+                   "offsets must be >= 0 and their sums fit int64", j, ULY__LL(sc[j]),
+                   ULY__LL(so[j]), ULY__LL(rc[j]), ULY__LL(ro[j]));
+        ULY__CHECK(!max_bytes || uly__max(sc[j], rc[j]) <= max_bytes, ULY_EOVERFLOW,
+                   "alltoallv: peer %d: %lld bytes > max_bytes (%lld)", j,
+                   ULY__LL(uly__max(sc[j], rc[j])), ULY__LL(max_bytes));
+        ULY__CHECK((send || !sc[j]) && (recv || !rc[j]), ULY_EINVAL,
+                   "alltoallv: %s is NULL but peer %d has bytes in it", send ? "recv" : "send", j);
+    }
+    return uly__ok();
+}
+
+#ifndef ULYSSES_NO_THREADS
+/* The local world: P threads meet at a barrier and read each other's published buffers. A rank
+   that gives up, or returns from its function, breaks the world: its peers wake from the
+   barrier with an error instead of waiting for it forever. */
+typedef struct uly__slot { /* what a rank publishes for the collective in progress */
+    const char *op;
+    const char *send;
+    const int64_t *send_counts, *send_offs, *recv_counts;
+    double *buf;
+    int64_t n;
+} uly__slot;
+
+typedef struct uly__world {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int size, arrived;
+    int64_t rounds;    /* barriers completed */
+    uly_status broken; /* why the world is broken; ULY_OK while whole */
+    void (*fn)(const uly_comm *comm, void *user);
+    void *user;
+    uly__slot slot[ULY_MAX_SP];
+} uly__world;
+
+typedef struct uly__rank {
+    uly__world *w;
+    uly_comm comm;
+    pthread_t thread;
+} uly__rank;
+
+/* Waits for every rank; fails if the world breaks first. */
+static uly_status uly__sync(uly__world *w) {
+    uly_status st = uly__ok();
+    pthread_mutex_lock(&w->mu);
+    int64_t round = w->rounds;
+    if (++w->arrived == w->size) {
+        w->arrived = 0;
+        w->rounds++;
+        pthread_cond_broadcast(&w->cv);
+    }
+    while (w->rounds == round && !w->broken.code) pthread_cond_wait(&w->cv, &w->mu);
+    if (w->rounds == round) st = w->broken;
+    pthread_mutex_unlock(&w->mu);
+    return st;
+}
+
+static void uly__break(uly__world *w, uly_status why) {
+    pthread_mutex_lock(&w->mu);
+    if (!w->broken.code) w->broken = why;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* Every rank is in the same collective; reading the slots of another would go wrong. */
+static uly_status uly__same_op(const uly__world *w) {
+    for (int i = 1; i < w->size; i++)
+        ULY__CHECK(!strcmp(w->slot[i].op, w->slot[0].op), ULY_ECOMM,
+                   "local comm: rank 0 is in %s but rank %d in %s", w->slot[0].op, i,
+                   w->slot[i].op);
+    return uly__ok();
+}
+
+/* A rank that cannot take part breaks the world and returns its own error. */
+static uly_status uly__give_up(uly__rank *me, uly_status why) {
+    uly__break(me->w, uly__err(ULY_ECOMM, "local comm: rank %d failed: %s", me->comm.rank, why.msg));
+    return why;
+}
+
+/* Publish, meet, and everyone checks the whole table (so all ranks agree on the verdict), copies
+   what its peers send it, and meets again so no sender reuses its buffer while it is read. */
+static uly_status uly__local_alltoallv(void *ctx, const void *send, const int64_t *send_counts,
+                                       const int64_t *send_offs, void *recv,
+                                       const int64_t *recv_counts, const int64_t *recv_offs,
+                                       void *stream) {
+    uly__rank *me = (uly__rank *)ctx;
+    uly__world *w = me->w;
+    int P = w->size, r = me->comm.rank;
+    uly_status st = uly__check_counts(P, 0, send, send_counts, send_offs, recv, recv_counts,
+                                      recv_offs);
+    (void)stream;
+    if (st.code) return uly__give_up(me, st);
+    w->slot[r].op = "alltoallv";
+    w->slot[r].send = (const char *)send;
+    w->slot[r].send_counts = send_counts;
+    w->slot[r].send_offs = send_offs;
+    w->slot[r].recv_counts = recv_counts;
+    ULY__TRY(uly__sync(w));
+    st = uly__same_op(w);
+    for (int i = 0; i < P && !st.code; i++)
+        for (int j = 0; j < P && !st.code; j++)
+            if (w->slot[i].send_counts[j] != w->slot[j].recv_counts[i])
+                st = uly__err(ULY_ECOMM, "alltoallv: rank %d sends %lld bytes to rank %d, which "
+                              "expects %lld", i, ULY__LL(w->slot[i].send_counts[j]), j,
+                              ULY__LL(w->slot[j].recv_counts[i]));
+    for (int i = 0; i < P && !st.code; i++)
+        memcpy((char *)recv + recv_offs[i], w->slot[i].send + w->slot[i].send_offs[r],
+               (size_t)recv_counts[i]);
+    uly_status done = uly__sync(w);
+    return st.code ? st : done;
+}
+
+/* Rank r sums its share of the elements over the ranks in order 0..P-1 and writes the sum into
+   every rank's buffer: all ranks get the bitwise-same result, and no element is read by one
+   rank after another has written it. */
+static uly_status uly__local_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
+    uly__rank *me = (uly__rank *)ctx;
+    uly__world *w = me->w;
+    int P = w->size, r = me->comm.rank;
+    uly_status st = uly__ok();
+    (void)stream;
+    if (n < 0 || (n && !buf))
+        return uly__give_up(me, uly__err(ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 and "
+                                         "buf not NULL", ULY__LL(n)));
+    w->slot[r].op = "allreduce_sum";
+    w->slot[r].buf = buf;
+    w->slot[r].n = n;
+    ULY__TRY(uly__sync(w));
+    st = uly__same_op(w);
+    for (int i = 0; i < P && !st.code; i++)
+        if (w->slot[i].n != n)
+            st = uly__err(ULY_ECOMM, "allreduce_sum: rank %d sums %lld values, rank %d %lld", i,
+                          ULY__LL(w->slot[i].n), r, ULY__LL(n));
+    uly_range mine = uly__split(st.code ? 0 : n, P, r);
+    for (int64_t e = mine.start; e < mine.start + mine.count; e++) {
+        double sum = w->slot[0].buf[e];
+        for (int i = 1; i < P; i++) sum += w->slot[i].buf[e];
+        for (int i = 0; i < P; i++) w->slot[i].buf[e] = sum;
+    }
+    uly_status done = uly__sync(w);
+    return st.code ? st : done;
+}
+
+static uly_status uly__local_barrier(void *ctx) {
+    uly__rank *me = (uly__rank *)ctx;
+    me->w->slot[me->comm.rank].op = "barrier";
+    ULY__TRY(uly__sync(me->w));
+    uly_status st = uly__same_op(me->w), done = uly__sync(me->w);
+    return st.code ? st : done;
+}
+
+static void *uly__rank_main(void *arg) {
+    uly__rank *me = (uly__rank *)arg;
+    me->w->fn(&me->comm, me->w->user);
+    uly__break(me->w, uly__err(ULY_ECOMM, "local comm: rank %d has returned; no collective can "
+                               "complete without it", me->comm.rank));
+    return NULL;
+}
+
+ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
+                                void *user) {
+    uly__world w;
+    uly__rank ranks[ULY_MAX_SP];
+    uly_status st = uly__ok();
+    int started = 0;
+    ULY__CHECK(size >= 1 && size <= ULY_MAX_SP, ULY_EINVAL, "size (%d) must be in [1, %d]", size,
+               ULY_MAX_SP);
+    ULY__CHECK(fn, ULY_EINVAL, "fn is NULL");
+    memset(&w, 0, sizeof w);
+    ULY__CHECK(!pthread_mutex_init(&w.mu, NULL), ULY_ECOMM, "pthread_mutex_init failed");
+    if (pthread_cond_init(&w.cv, NULL)) {
+        pthread_mutex_destroy(&w.mu);
+        return uly__err(ULY_ECOMM, "pthread_cond_init failed");
+    }
+    w.size = size, w.fn = fn, w.user = user;
+    for (; started < size; started++) {
+        uly__rank *me = &ranks[started];
+        memset(me, 0, sizeof *me);
+        me->w = &w;
+        me->comm.size = size, me->comm.rank = started;
+        me->comm.alltoallv = uly__local_alltoallv;
+        me->comm.allreduce_sum = uly__local_allreduce;
+        me->comm.barrier = uly__local_barrier;
+        me->comm.ctx = me;
+        if (pthread_create(&me->thread, NULL, uly__rank_main, me)) {
+            st = uly__err(ULY_ECOMM, "local comm: could not start the thread of rank %d", started);
+            uly__break(&w, st); /* the started ranks fail their collectives and return */
+            break;
+        }
+    }
+    for (int r = 0; r < started; r++) pthread_join(ranks[r].thread, NULL);
+    pthread_cond_destroy(&w.cv);
+    pthread_mutex_destroy(&w.mu);
+    return st;
+}
+#endif /* ULYSSES_NO_THREADS */
+
+/* ---------------------------------------------------------------------------------------------
+   CPU layout: every direction of every exchange is one strided block copy per peer */
+
+/* dst = src, or dst += src in fp32 with add; two views of one shape. Heads, then tokens, that
+   are contiguous in both views are moved as one run. */
+static void uly__move(uly_tensor dst, uly_tensor src, int add) {
+    int64_t run = dst.d, nh = dst.h, ns = dst.s, es = uly_dtype_size(dst.dtype);
+    ULY_ASSERT(dst.b == src.b && dst.s == src.s && dst.h == src.h && dst.d == src.d);
+    if (nh == 1 || (dst.sh == run && src.sh == run)) {
+        run *= nh, nh = 1;
+        if (ns == 1 || (dst.ss == run && src.ss == run)) run *= ns, ns = 1;
+    }
+    for (int64_t b = 0; b < dst.b; b++)
+        for (int64_t s = 0; s < ns; s++)
+            for (int64_t h = 0; h < nh; h++) {
+                char *to = uly__at(dst, b, s, h);
+                const char *from = uly__at(src, b, s, h);
+                if (!add) {
+                    memcpy(to, from, (size_t)(run * es));
+                    continue;
+                }
+                float *t = (float *)to;
+                const float *f = (const float *)from;
+                for (int64_t e = 0; e < run; e++) t[e] += f[e];
+            }
+}
+
+/* Moves peer blocks between tensor t and exchange buffer buf. In buf the blocks are dense, in
+   peer order; in t peer j's block is the view of j's heads (sequence layout) or of j's tokens
+   (head layout). Unpacking DKV adds a kv head's gradient onto the copies earlier peers wrote. */
+static uly_status uly__cpu_move(const uly_plan *p, uly_xchg x, int pack, uly_tensor t, char *buf) {
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "layout: plan is NULL or not from uly_plan_init");
+    ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "layout: exchange (%d) is not a "
+               "uly_xchg", (int)x);
+    int seq = pack == uly__to_head(x), sum = !pack && x == ULY_X_DKV;
+    const char *name = pack ? "layout: pack src" : "layout: unpack dst";
+    ULY__TRY(uly__check_like(name, t, seq ? uly__seq_layout(p, x, NULL) : uly__head_layout(p, x, NULL)));
+    ULY__CHECK(buf, ULY_EINVAL, "layout: %s is NULL", pack ? "send" : "recv");
+    ULY__CHECK(!sum || t.dtype == ULY_F32 || !uly__kv_shared(p), ULY_EUNSUPPORTED,
+               "layout: dtype %s: the CPU layout sums the gradient copies of a kv head shared "
+               "by ranks (DKV unpack) in f32 only", uly__dtype_name(t.dtype));
+    int64_t top = 0; /* end of the heads written by earlier peers */
+    for (int j = 0; j < p->desc.sp_size; j++) {
+        uly_range tok = uly_tokens(p, j), hx = uly__xheads(p, x, j);
+        uly_tensor view = seq ? uly_head_slice(t, hx.start, hx.count)
+                              : uly__token_slice(t, tok.start, tok.count);
+        uly_tensor blk = uly_dense(buf, t.dtype, view.b, view.s, view.h, view.d);
+        uly_tensor dst = pack ? blk : view, src = pack ? view : blk;
+        int64_t shared = sum ? uly__max(0, uly__min(top - hx.start, hx.count)) : 0;
+        uly__move(uly_head_slice(dst, 0, shared), uly_head_slice(src, 0, shared), 1);
+        uly__move(uly_head_slice(dst, shared, dst.h - shared),
+                  uly_head_slice(src, shared, src.h - shared), 0);
+        buf += uly__bytes(p, view.s, view.h);
+        top = hx.start + hx.count;
+    }
+    return uly__ok();
+}
+
+static uly_status uly__cpu_pack(void *ctx, const uly_plan *p, uly_xchg x, uly_tensor src,
+                                void *send, void *stream) {
+    (void)ctx, (void)stream;
+    return uly__cpu_move(p, x, 1, src, (char *)send);
+}
+
+static uly_status uly__cpu_unpack(void *ctx, const uly_plan *p, uly_xchg x, const void *recv,
+                                  uly_tensor dst, void *stream) {
+    (void)ctx, (void)stream;
+    return uly__cpu_move(p, x, 0, dst, (char *)recv); /* only read */
+}
+
+ULYDEF uly_layout uly_cpu_layout(void) {
+    uly_layout l;
+    l.pack = uly__cpu_pack;
+    l.unpack = uly__cpu_unpack;
+    l.ctx = NULL;
+    return l;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   CPU attention: the reference, fp32
+
+   Row r of query head i sees keys j < n(r) (all, or bottom-right causal) with scores
+   s_j = scale * q_r . k_j; p = softmax(s), o_r = p V, lse_r = log sum_j exp(s_j). Every row is
+   computed by the same loops in the same order whatever tensor it sits in, so attention over a
+   rank's heads is bitwise the rows of attention over all heads. K and V of one kv head are
+   transposed to [D][Sk] in the workspace so that the score loops run over contiguous keys. */
+
+static float uly__scale(const uly_attn_args *a) {
+    return a->softmax_scale != 0 ? a->softmax_scale : 1.0f / sqrtf((float)a->q.d);
+}
+
+/* The kv head that local query head i reads. */
+static int64_t uly__kv_of(const uly_attn_args *a, int64_t i) {
+    int64_t g = a->kv_group ? a->kv_group : a->q.h / a->k.h;
+    return (a->q_head0 + i) / g - a->q_head0 / g;
+}
+
+/* Keys row r sees: all, or with the bottom-right causal mask j <= r + Sk - Sq. */
+static int64_t uly__keys(const uly_attn_args *a, int64_t r) {
+    int64_t n = a->causal ? r + 1 + a->k.s - a->q.s : a->k.s;
+    return uly__max(0, uly__min(n, a->k.s));
+}
+
+ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
+    ULY__CHECK(a, ULY_EINVAL, "attention: args is NULL");
+    uly_tensor q = a->q, kv = uly_dense(NULL, q.dtype, q.b, a->k.s, a->k.h, q.d);
+    ULY__TRY(uly__check_view("q", q));
+    ULY__TRY(uly__check_view("k", a->k));
+    ULY__TRY(uly__check_like("k", a->k, kv));
+    ULY__TRY(uly__check_like("v", a->v, kv));
+    ULY__TRY(uly__check_like("o", a->o, q));
+    ULY__CHECK(a->lse, ULY_EINVAL, "lse is NULL");
+    ULY__CHECK(isfinite(a->softmax_scale), ULY_EINVAL, "softmax_scale (%g) must be finite",
+               (double)a->softmax_scale);
+    ULY__CHECK(a->q_head0 >= 0 && a->kv_group >= 0, ULY_EINVAL,
+               "q_head0 (%lld) and kv_group (%lld) must be >= 0", ULY__LL(a->q_head0),
+               ULY__LL(a->kv_group));
+    ULY__CHECK(a->kv_group || q.h % a->k.h == 0, ULY_EINVAL,
+               "k.h (%lld) must divide q.h (%lld) when kv_group is 0", ULY__LL(a->k.h),
+               ULY__LL(q.h));
+    ULY__CHECK(uly__kv_of(a, q.h - 1) < a->k.h, ULY_EINVAL,
+               "query head %lld reads kv head %lld (q_head0 %lld, kv_group %lld), but k.h is "
+               "%lld", ULY__LL(q.h - 1), ULY__LL(uly__kv_of(a, q.h - 1)), ULY__LL(a->q_head0),
+               ULY__LL(a->kv_group), ULY__LL(a->k.h));
+    if (!backward) return uly__ok();
+    ULY__TRY(uly__check_like("dout", a->dout, q));
+    ULY__TRY(uly__check_like("dq", a->dq, q));
+    ULY__TRY(uly__check_like("dk", a->dk, kv));
+    return uly__check_like("dv", a->dv, kv);
+}
+
+/* Scratch, in floats: K and V transposed, the group's dK and dV and one head's share of them,
+   all [Sk, D]; then p and dp [Sk]. The forward uses K transposed and p. */
+static int64_t uly__cpu_workspace(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    return uly__mul(uly__mul(uly__add(uly__mul(6, a->q.d), 2), a->k.s), 4);
+}
+
+static uly_status uly__cpu_check(const uly_attn_args *a, int backward) {
+    ULY__TRY(uly_attn_check(a, backward));
+    ULY__CHECK(a->q.dtype == ULY_F32, ULY_EUNSUPPORTED,
+               "dtype %s: the CPU attention computes in f32 only", uly__dtype_name(a->q.dtype));
+    ULY__CHECK(a->workspace, ULY_EINVAL, "workspace is NULL (workspace() gives its bytes)");
+    return uly__ok();
+}
+
+static float *uly__f32(uly_tensor t, int64_t b, int64_t s, int64_t h) {
+    return (float *)uly__at(t, b, s, h);
+}
+
+/* The [1, s, 1, d] view of head h in batch b. */
+static uly_tensor uly__head_of(uly_tensor t, int64_t b, int64_t h) {
+    t.data = uly__at(t, b, 0, h);
+    t.b = t.h = 1;
+    return t;
+}
+
+/* K (and V) of kv head h in batch b, transposed to [D][Sk]. */
+static void uly__transpose(float *__restrict out, uly_tensor k, int64_t b, int64_t h) {
+    for (int64_t j = 0; j < k.s; j++) {
+        const float *row = uly__f32(k, b, j, h);
+        for (int64_t d = 0; d < k.d; d++) out[d * k.s + j] = row[d];
+    }
+}
+
+/* out[j] = x . column j of mt [D][Sk], for j < n, summed over d in order. */
+static void uly__dots(const float *__restrict x, const float *__restrict mt, int64_t D, int64_t Sk,
+                      int64_t n, float *__restrict out) {
+    for (int64_t j = 0; j < n; j++) out[j] = 0;
+    for (int64_t d = 0; d < D; d++) {
+        const float xd = x[d], *__restrict m = mt + d * Sk;
+        for (int64_t j = 0; j < n; j++) out[j] += xd * m[j];
+    }
+}
+
+/* One row of the forward. */
+static void uly__fwd_row(const uly_attn_args *a, const float *kt, float *p, int64_t b, int64_t i,
+                         int64_t r) {
+    const int64_t D = a->q.d, n = uly__keys(a, r), kh = uly__kv_of(a, i);
+    const float *q = uly__f32(a->q, b, r, i);
+    float *__restrict o = uly__f32(a->o, b, r, i), *lse = a->lse + (b * a->q.h + i) * a->q.s + r;
+    const float scale = uly__scale(a);
+    float m = -INFINITY, l = 0;
+    for (int64_t d = 0; d < D; d++) o[d] = 0;
+    if (!n) { /* nothing to attend to */
+        *lse = INFINITY;
+        return;
+    }
+    uly__dots(q, kt, D, a->k.s, n, p);
+    for (int64_t j = 0; j < n; j++) p[j] *= scale, m = fmaxf(m, p[j]);
+    for (int64_t j = 0; j < n; j++) p[j] = expf(p[j] - m), l += p[j];
+    for (int64_t j = 0; j < n; j++) {
+        const float pj = p[j], *__restrict v = uly__f32(a->v, b, j, kh);
+        for (int64_t d = 0; d < D; d++) o[d] += pj * v[d];
+    }
+    for (int64_t d = 0; d < D; d++) o[d] /= l;
+    *lse = m + logf(l);
+}
+
+/* One row of the backward, from the saved lse: p_j = exp(s_j - lse), dp_j = dout . v_j,
+   ds_j = scale p_j (dp_j - Dsum) with Dsum = dout . o; dq = sum ds_j k_j, and this head's
+   share of dk_j += ds_j q and dv_j += p_j dout. */
+static void uly__bwd_row(const uly_attn_args *a, const float *kt, const float *vt, float *p,
+                         float *dp, float *hk, float *hv, int64_t b, int64_t i, int64_t r) {
+    const int64_t D = a->q.d, n = uly__keys(a, r), kh = uly__kv_of(a, i);
+    const float *q = uly__f32(a->q, b, r, i), *o = uly__f32(a->o, b, r, i);
+    const float *dout = uly__f32(a->dout, b, r, i), scale = uly__scale(a);
+    const float lse = a->lse[(b * a->q.h + i) * a->q.s + r];
+    float *__restrict dq = uly__f32(a->dq, b, r, i), dsum = 0;
+    for (int64_t d = 0; d < D; d++) dq[d] = 0, dsum += dout[d] * o[d];
+    if (!n) return; /* a row that saw no key has no gradient (and lse = +inf) */
+    uly__dots(q, kt, D, a->k.s, n, p);
+    uly__dots(dout, vt, D, a->k.s, n, dp);
+    for (int64_t j = 0; j < n; j++) {
+        const float pj = expf(p[j] * scale - lse), ds = scale * pj * (dp[j] - dsum);
+        const float *__restrict k = uly__f32(a->k, b, j, kh);
+        float *__restrict dk = hk + j * D, *__restrict dv = hv + j * D;
+        for (int64_t d = 0; d < D; d++) {
+            dq[d] += ds * k[d];
+            dk[d] += ds * q[d];
+            dv[d] += pj * dout[d];
+        }
+    }
+}
+
+static uly_status uly__cpu_fwd(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    ULY__TRY(uly__cpu_check(a, 0));
+    float *kt = (float *)a->workspace, *p = kt + 6 * a->q.d * a->k.s;
+    for (int64_t b = 0; b < a->q.b; b++)
+        for (int64_t kh = 0; kh < a->k.h; kh++) {
+            uly__transpose(kt, a->k, b, kh);
+            for (int64_t i = 0; i < a->q.h; i++) {
+                if (uly__kv_of(a, i) != kh) continue;
+                for (int64_t r = 0; r < a->q.s; r++) uly__fwd_row(a, kt, p, b, i, r);
+            }
+        }
+    return uly__ok();
+}
+
+/* dK and dV of a kv head are the sums over its query heads, in head order, of each head's
+   share (summed over the rows in fp32). */
+static uly_status uly__cpu_bwd(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    ULY__TRY(uly__cpu_check(a, 1));
+    const int64_t D = a->q.d, Sk = a->k.s, n = D * Sk;
+    float *kt = (float *)a->workspace, *vt = kt + n, *gk = vt + n, *gv = gk + n, *hk = gv + n,
+          *hv = hk + n, *p = hv + n, *dp = p + Sk;
+    for (int64_t b = 0; b < a->q.b; b++)
+        for (int64_t kh = 0; kh < a->k.h; kh++) {
+            uly_tensor group_k = uly_dense(gk, ULY_F32, 1, Sk, 1, D);
+            uly_tensor group_v = uly_dense(gv, ULY_F32, 1, Sk, 1, D);
+            uly__transpose(kt, a->k, b, kh);
+            uly__transpose(vt, a->v, b, kh);
+            memset(gk, 0, (size_t)(2 * n) * sizeof *gk); /* gk and gv */
+            for (int64_t i = 0; i < a->q.h; i++) {
+                if (uly__kv_of(a, i) != kh) continue;
+                memset(hk, 0, (size_t)(2 * n) * sizeof *hk); /* hk and hv */
+                for (int64_t r = 0; r < a->q.s; r++) uly__bwd_row(a, kt, vt, p, dp, hk, hv, b, i, r);
+                uly__move(group_k, uly_dense(hk, ULY_F32, 1, Sk, 1, D), 1);
+                uly__move(group_v, uly_dense(hv, ULY_F32, 1, Sk, 1, D), 1);
+            }
+            uly__move(uly__head_of(a->dk, b, kh), group_k, 0);
+            uly__move(uly__head_of(a->dv, b, kh), group_v, 0);
+        }
+    return uly__ok();
+}
+
+ULYDEF uly_attn uly_cpu_attention(void) {
+    uly_attn at;
+    at.fwd = uly__cpu_fwd;
+    at.bwd = uly__cpu_bwd;
+    at.workspace = uly__cpu_workspace;
+    at.ctx = NULL;
+    return at;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The SP attention layer. The driver only does pointer arithmetic and calls the layout, the
+   attention and the communicator through their function pointers, so the same code runs on
+   host and device memory (ulysses_cuda.cuh plugs in the GPU ones). */
+
+static void uly__phase(const uly_layer *l, uly_phase phase, int end) {
+    if (l->on_phase) l->on_phase(l->phase_user, phase, end);
+}
+
+/* The attention over this rank's heads; grad NULL for the forward. q_head0 and kv_group map a
+   GQA group that is split across ranks. */
+static uly_attn_args uly__args(const uly_layer *l, const uly__heads *h, float *lse,
+                               const uly__heads *grad, void *workspace) {
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = h->q, a.k = h->k, a.v = h->v, a.o = h->o, a.lse = lse;
+    if (grad) a.dout = grad->o, a.dq = grad->q, a.dk = grad->k, a.dv = grad->v;
+    a.softmax_scale = l->softmax_scale;
+    a.causal = l->causal;
+    a.deterministic = l->deterministic;
+    a.q_head0 = uly_heads(l->plan, l->plan->sp_rank).start;
+    a.kv_group = l->plan->group;
+    a.workspace = workspace;
+    a.stream = l->stream;
+    return a;
+}
+
+/* The layer's scratch and then the attention's, which it sizes from shapes alone. -1 when l
+   cannot be sized. */
+static int64_t uly__layer_bytes(const uly_layer *l) {
+    uly__work w;
+    uly__heads h;
+    int64_t attn = 0;
+    if (!l || !uly__plan_ok(l->plan)) return -1;
+    if (l->attn.workspace) {
+        uly__heads_at(l->plan, NULL, &h);
+        uly__work_at(l->plan, NULL, &w);
+        uly_attn_args a = uly__args(l, &h, NULL, &w.grad, NULL);
+        attn = l->attn.workspace(l->attn.ctx, &a);
+    }
+    return uly__add(uly__work_at(l->plan, NULL, &w), attn);
+}
+
+/* 0 when l cannot be sized; uly_forward says why. */
+ULYDEF int64_t uly_layer_workspace(const uly_layer *l) {
+    return uly__max(0, uly__layer_bytes(l));
+}
+
+static uly_status uly__check_layer(const uly_layer *l, int backward, const void *saved) {
+    ULY__CHECK(l, ULY_EINVAL, "layer is NULL");
+    const uly_plan *p = l->plan;
+    const uly_comm *c = l->comm;
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "layer.plan is NULL or not from uly_plan_init");
+    ULY__CHECK(c, ULY_EINVAL, "layer.comm is NULL");
+    ULY__CHECK(c->size == p->desc.sp_size, ULY_EINVAL, "layer.comm->size (%d) != sp_size (%d)",
+               c->size, p->desc.sp_size);
+    ULY__CHECK(c->rank == p->sp_rank, ULY_EINVAL, "layer.comm->rank (%d) != sp_rank (%d)",
+               c->rank, p->sp_rank);
+    ULY__CHECK(c->alltoallv, ULY_EINVAL, "layer.comm->alltoallv is NULL");
+    ULY__TRY(uly__check_peer_bytes(p, c->max_bytes, "layer.comm->max_bytes"));
+    ULY__CHECK(backward ? l->attn.bwd != NULL : l->attn.fwd != NULL, ULY_EINVAL,
+               "layer.attn.%s is NULL", backward ? "bwd" : "fwd");
+    ULY__CHECK(l->layout.pack && l->layout.unpack, ULY_EINVAL, "layer.layout.%s is NULL",
+               l->layout.pack ? "unpack" : "pack");
+    int64_t need = uly__layer_bytes(l);
+    ULY__CHECK(need >= 0, ULY_EOVERFLOW,
+               "layer workspace: its size overflows int64, or layer.attn.workspace failed");
+    ULY__CHECK(l->workspace, ULY_EINVAL, "layer.workspace is NULL (uly_layer_workspace() is %lld "
+               "bytes)", ULY__LL(need));
+    ULY__CHECK(l->workspace_bytes >= need, ULY_EINVAL,
+               "layer.workspace_bytes (%lld) < uly_layer_workspace() (%lld)",
+               ULY__LL(l->workspace_bytes), ULY__LL(need));
+    ULY__CHECK(saved, ULY_EINVAL, "saved is NULL (uly_saved_bytes() is %lld bytes)",
+               ULY__LL(uly_saved_bytes(p)));
+    return uly__ok();
+}
+
+/* Moves src to dst through exchange x: pack, all-to-all, unpack. With B == 1 the head layout
+   [1, S, H_r, D] is the exchange buffer [P][1, S_j, H_r, D] itself, so that side needs no copy:
+   seq->head receives straight into dst, head->seq sends straight from src. */
+static uly_status uly__exchange(const uly_layer *l, uly_xchg x, uly_tensor src, uly_tensor dst,
+                                const uly__work *w) {
+    const uly_plan *p = l->plan;
+    int64_t sc[ULY_MAX_SP], so[ULY_MAX_SP], rc[ULY_MAX_SP], ro[ULY_MAX_SP];
+    int direct = p->desc.batch == 1, to_head = uly__to_head(x);
+    void *send = direct && !to_head ? src.data : w->send;
+    void *recv = direct && to_head ? dst.data : w->recv;
+    uly_status st;
+    if (send == w->send) {
+        uly__phase(l, ULY_PHASE_PACK, 0);
+        st = l->layout.pack(l->layout.ctx, p, x, src, send, l->stream);
+        uly__phase(l, ULY_PHASE_PACK, 1);
+        if (st.code) return st;
+    }
+    uly_exchange_counts(p, x, sc, so, rc, ro);
+    uly__phase(l, ULY_PHASE_EXCHANGE, 0);
+    st = l->comm->alltoallv(l->comm->ctx, send, sc, so, recv, rc, ro, l->stream);
+    uly__phase(l, ULY_PHASE_EXCHANGE, 1);
+    if (st.code || recv != w->recv) return st;
+    uly__phase(l, ULY_PHASE_UNPACK, 0);
+    st = l->layout.unpack(l->layout.ctx, p, x, recv, dst, l->stream);
+    uly__phase(l, ULY_PHASE_UNPACK, 1);
+    return st;
+}
+
+static uly_status uly__attend(const uly_layer *l, const uly_attn_args *a, int backward) {
+    uly__phase(l, ULY_PHASE_ATTN, 0);
+    uly_status st = backward ? l->attn.bwd(l->attn.ctx, a) : l->attn.fwd(l->attn.ctx, a);
+    uly__phase(l, ULY_PHASE_ATTN, 1);
+    return st;
+}
+
+ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
+                              uly_tensor out, void *saved) {
+    uly__heads h;
+    uly__work w;
+    ULY__TRY(uly__check_layer(l, 0, saved));
+    const uly_plan *p = l->plan;
+    ULY__TRY(uly__check_like("q", q, uly__seq_layout(p, ULY_X_Q, NULL)));
+    ULY__TRY(uly__check_like("k", k, uly__seq_layout(p, ULY_X_KV, NULL)));
+    ULY__TRY(uly__check_like("v", v, uly__seq_layout(p, ULY_X_KV, NULL)));
+    ULY__TRY(uly__check_like("out", out, uly__seq_layout(p, ULY_X_O, NULL)));
+    uly__heads_at(p, saved, &h);
+    uly__work_at(p, l->workspace, &w);
+    uly_attn_args a = uly__args(l, &h, uly_saved_lse(p, saved), NULL, w.attn);
+    ULY__TRY(uly__exchange(l, ULY_X_Q, q, h.q, &w));
+    ULY__TRY(uly__exchange(l, ULY_X_KV, k, h.k, &w));
+    ULY__TRY(uly__exchange(l, ULY_X_KV, v, h.v, &w));
+    ULY__TRY(uly__attend(l, &a, 0));
+    return uly__exchange(l, ULY_X_O, h.o, out, &w);
+}
+
+ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *saved,
+                               uly_tensor dq, uly_tensor dk, uly_tensor dv) {
+    uly__heads h;
+    uly__work w;
+    ULY__TRY(uly__check_layer(l, 1, saved));
+    const uly_plan *p = l->plan;
+    void *kept = (void *)saved; /* only read */
+    ULY__TRY(uly__check_like("dout", dout, uly__seq_layout(p, ULY_X_Q, NULL)));
+    ULY__TRY(uly__check_like("dq", dq, uly__seq_layout(p, ULY_X_O, NULL)));
+    ULY__TRY(uly__check_like("dk", dk, uly__seq_layout(p, ULY_X_DKV, NULL)));
+    ULY__TRY(uly__check_like("dv", dv, uly__seq_layout(p, ULY_X_DKV, NULL)));
+    uly__heads_at(p, kept, &h);
+    uly__work_at(p, l->workspace, &w);
+    uly_attn_args a = uly__args(l, &h, uly_saved_lse(p, kept), &w.grad, w.attn);
+    ULY__TRY(uly__exchange(l, ULY_X_Q, dout, w.grad.o, &w));
+    ULY__TRY(uly__attend(l, &a, 1));
+    ULY__TRY(uly__exchange(l, ULY_X_O, w.grad.q, dq, &w));
+    ULY__TRY(uly__exchange(l, ULY_X_DKV, w.grad.k, dk, &w));
+    return uly__exchange(l, ULY_X_DKV, w.grad.v, dv, &w);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Around the layer: positions, token and label shards, the loss */
+
+ULYDEF void uly_positions(const uly_plan *p, int32_t *pos) {
+    uly_range t = uly_tokens(p, p ? p->sp_rank : 0);
+    if (!pos || !t.count) return;
+    for (int64_t b = 0; b < p->desc.batch; b++)
+        for (int64_t i = 0; i < t.count; i++) pos[b * t.count + i] = (int32_t)(t.start + i);
+}
+
+ULYDEF void uly_shard_tokens(const uly_plan *p, const int32_t *full, int32_t *local) {
+    uly_range t = uly_tokens(p, p ? p->sp_rank : 0);
+    if (!full || !local || !t.count) return;
+    for (int64_t b = 0; b < p->desc.batch; b++)
+        memcpy(local + b * t.count, full + b * p->desc.seq_len + t.start,
+               (size_t)t.count * sizeof *local);
+}
+
+ULYDEF void uly_shard_labels(const uly_plan *p, const int32_t *full, int32_t ignore_index,
+                             int32_t *labels) {
+    uly_range t = uly_tokens(p, p ? p->sp_rank : 0);
+    if (!full || !labels || !t.count) return;
+    for (int64_t b = 0; b < p->desc.batch; b++)
+        for (int64_t i = 0; i < t.count; i++) {
+            int64_t next = t.start + i + 1; /* the label of a token is the token after it */
+            labels[b * t.count + i] =
+                next < p->desc.seq_len ? full[b * p->desc.seq_len + next] : ignore_index;
+        }
+}
+
+ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, int64_t n,
+                                    int64_t v, int32_t ignore_index, double *loss_sum,
+                                    int64_t *count, float *dlogits) {
+    ULY__CHECK(logits && labels && loss_sum && count, ULY_EINVAL,
+               "cross_entropy: logits, labels, loss_sum and count must not be NULL");
+    ULY__CHECK(n >= 0 && v >= 1, ULY_EINVAL, "cross_entropy: n (%lld) must be >= 0 and v (%lld) "
+               ">= 1", ULY__LL(n), ULY__LL(v));
+    ULY__CHECK(uly__mul(n, v) >= 0, ULY_EOVERFLOW, "cross_entropy: n (%lld) x v (%lld) overflows "
+               "int64", ULY__LL(n), ULY__LL(v));
+    for (int64_t i = 0; i < n; i++)
+        ULY__CHECK(labels[i] == ignore_index || (labels[i] >= 0 && labels[i] < v), ULY_EINVAL,
+                   "cross_entropy: labels[%lld] (%d) is neither in [0, v (%lld)) nor "
+                   "ignore_index (%d)", ULY__LL(i), (int)labels[i], ULY__LL(v), (int)ignore_index);
+    for (int64_t i = 0; i < n; i++) {
+        const float *x = logits + i * v;
+        float *dx = dlogits ? dlogits + i * v : NULL;
+        if (labels[i] == ignore_index) {
+            if (dx) memset(dx, 0, (size_t)v * sizeof *dx);
+            continue;
+        }
+        float m = x[0];
+        double z = 0;
+        for (int64_t c = 1; c < v; c++) m = fmaxf(m, x[c]);
+        for (int64_t c = 0; c < v; c++) z += exp((double)x[c] - m);
+        *loss_sum += log(z) + m - x[labels[i]];
+        *count += 1;
+        for (int64_t c = 0; dx && c < v; c++)
+            dx[c] = (float)(exp((double)x[c] - m) / z) - (c == labels[i]);
+    }
+    return uly__ok();
+}
+
+ULYDEF uly_status uly_loss_reduce(const uly_comm *c, double loss_sum, int64_t count,
+                                  double *mean, double *grad_scale) {
+    ULY__CHECK(c && c->allreduce_sum, ULY_EINVAL, "loss_reduce: %s is NULL",
+               c ? "comm->allreduce_sum" : "comm");
+    ULY__CHECK(mean && grad_scale, ULY_EINVAL, "loss_reduce: mean and grad_scale must not be "
+               "NULL");
+    ULY__CHECK(count >= 0, ULY_EINVAL, "loss_reduce: count (%lld) must be >= 0", ULY__LL(count));
+    double all[2] = {loss_sum, (double)count};
+    ULY__TRY(c->allreduce_sum(c->ctx, all, 2, NULL));
+    *mean = all[1] > 0 ? all[0] / all[1] : 0;
+    *grad_scale = all[1] > 0 ? 1 / all[1] : 0;
+    return uly__ok();
+}
+
+#ifdef __GNUC__
+#pragma GCC diagnostic pop
+#endif
+#endif /* ULYSSES_IMPLEMENTATION */
+
+/* ---------------------------------------------------------------------------------------------
+   MIT License. Copyright (c) 2026 The ulysses authors. Permission is hereby granted, free of
+   charge, to any person obtaining a copy of this software and associated documentation files
+   (the "Software"), to deal in the Software without restriction, including without limitation
+   the rights to use, copy, modify, merge, publish, distribute, sublicense, and/or sell copies of
+   the Software, and to permit persons to whom the Software is furnished to do so, subject to the
+   following conditions: The above copyright notice and this permission notice shall be included
+   in all copies or substantial portions of the Software. THE SOFTWARE IS PROVIDED "AS IS",
+   WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING BUT NOT LIMITED TO THE WARRANTIES
+   OF MERCHANTABILITY, FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT. IN NO EVENT SHALL THE
+   AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM, DAMAGES OR OTHER LIABILITY, WHETHER IN AN
+   ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM, OUT OF OR IN CONNECTION WITH THE SOFTWARE
+   OR THE USE OR OTHER DEALINGS IN THE SOFTWARE. */
