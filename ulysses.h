@@ -1041,10 +1041,14 @@ static int64_t uly__keys(const uly_attn_args *a, int64_t r) {
 
 ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     ULY__CHECK(a, ULY_EINVAL, "attention: args is NULL");
-    uly_tensor q = a->q, kv = uly_dense(NULL, q.dtype, q.b, a->k.s, a->k.h, q.d);
+    uly_tensor q = a->q, k = a->k, kv = uly_dense(NULL, q.dtype, q.b, k.s, k.h, q.d);
     ULY__TRY(uly__check_view("q", q));
-    ULY__TRY(uly__check_view("k", a->k));
-    ULY__TRY(uly__check_like("k", a->k, kv));
+    ULY__CHECK(k.b == q.b, ULY_EINVAL, "k.b (%lld) != q.b (%lld)", ULY__LL(k.b), ULY__LL(q.b));
+    ULY__CHECK(k.d == q.d, ULY_EINVAL, "k.d (%lld) != q.d (%lld)", ULY__LL(k.d), ULY__LL(q.d));
+    ULY__CHECK(k.h >= 1 && (a->kv_group || q.h % k.h == 0), ULY_EINVAL,
+               "k.h (%lld) must divide q.h (%lld) when kv_group is 0", ULY__LL(k.h),
+               ULY__LL(q.h));
+    ULY__TRY(uly__check_like("k", k, kv));
     ULY__TRY(uly__check_like("v", a->v, kv));
     ULY__TRY(uly__check_like("o", a->o, q));
     ULY__CHECK(a->lse, ULY_EINVAL, "lse is NULL");
@@ -1053,13 +1057,10 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     ULY__CHECK(a->q_head0 >= 0 && a->kv_group >= 0, ULY_EINVAL,
                "q_head0 (%lld) and kv_group (%lld) must be >= 0", ULY__LL(a->q_head0),
                ULY__LL(a->kv_group));
-    ULY__CHECK(a->kv_group || q.h % a->k.h == 0, ULY_EINVAL,
-               "k.h (%lld) must divide q.h (%lld) when kv_group is 0", ULY__LL(a->k.h),
-               ULY__LL(q.h));
-    ULY__CHECK(uly__kv_of(a, q.h - 1) < a->k.h, ULY_EINVAL,
+    ULY__CHECK(uly__kv_of(a, q.h - 1) < k.h, ULY_EINVAL,
                "query head %lld reads kv head %lld (q_head0 %lld, kv_group %lld), but k.h is "
                "%lld", ULY__LL(q.h - 1), ULY__LL(uly__kv_of(a, q.h - 1)), ULY__LL(a->q_head0),
-               ULY__LL(a->kv_group), ULY__LL(a->k.h));
+               ULY__LL(a->kv_group), ULY__LL(k.h));
     if (!backward) return uly__ok();
     ULY__TRY(uly__check_like("dout", a->dout, q));
     ULY__TRY(uly__check_like("dq", a->dq, q));
