@@ -936,6 +936,126 @@ ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void 
 }
 #endif /* ULYSSES_NO_THREADS */
 
+#ifdef ULYSSES_MPI
+/* The MPI communicator. It sets MPI_ERRORS_RETURN on its communicator, so a failure comes back
+   as ULY_ECOMM with MPI's own message instead of aborting the job. */
+
+static uly_status uly__mpi(int rc, const char *call) {
+    char text[MPI_MAX_ERROR_STRING];
+    int n = 0;
+    if (rc == MPI_SUCCESS) return uly__ok();
+    if (MPI_Error_string(rc, text, &n) != MPI_SUCCESS) snprintf(text, sizeof text, "error %d", rc);
+    return uly__err(ULY_ECOMM, "%s: %s", call, text);
+}
+
+/* Moves each peer's bytes in rounds: round k carries the k-th chunk of every peer's message,
+   so a round needs at most 2P requests and no message exceeds chunk bytes. */
+static uly_status uly__mpi_chunked(MPI_Comm comm, int P, int64_t chunk, const char *send,
+                                   const int64_t *sc, const int64_t *so, char *recv,
+                                   const int64_t *rc, const int64_t *ro) {
+    MPI_Request req[2 * ULY_MAX_SP];
+    for (int64_t at = 0;; at += chunk) {
+        int n = 0, err = MPI_SUCCESS;
+        for (int j = 0; j < P && !err; j++)
+            if (rc[j] > at)
+                err = MPI_Irecv(recv + ro[j] + at, (int)uly__min(chunk, rc[j] - at), MPI_BYTE, j,
+                                0, comm, &req[n++]);
+        for (int j = 0; j < P && !err; j++)
+            if (sc[j] > at)
+                err = MPI_Isend(send + so[j] + at, (int)uly__min(chunk, sc[j] - at), MPI_BYTE, j,
+                                0, comm, &req[n++]);
+        ULY__TRY(uly__mpi(err, "MPI_Isend/MPI_Irecv"));
+        if (!n) return uly__ok();
+        ULY__TRY(uly__mpi(MPI_Waitall(n, req, MPI_STATUSES_IGNORE), "MPI_Waitall"));
+    }
+}
+
+/* One MPI_Alltoallv when every count fits a chunk and every offset fits int; chunked
+   point-to-point otherwise. All ranks must take the same path, so they agree on it in a small
+   allreduce first, which also tells them when one of them has invalid arguments. */
+static uly_status uly__mpi_alltoallv(void *ctx, const void *send, const int64_t *send_counts,
+                                     const int64_t *send_offs, void *recv,
+                                     const int64_t *recv_counts, const int64_t *recv_offs,
+                                     void *stream) {
+    uly_mpi *m = (uly_mpi *)ctx;
+    int P, c[4][ULY_MAX_SP], fits = 1, path; /* path: 0 invalid somewhere, 1 chunks, 2 one call */
+    int64_t chunk = m->chunk_bytes ? m->chunk_bytes : INT_MAX;
+    const int64_t *all[4] = {send_counts, send_offs, recv_counts, recv_offs};
+    (void)stream;
+    ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &P), "MPI_Comm_size"));
+    uly_status st = uly__check_counts(P, 0, send, send_counts, send_offs, recv, recv_counts,
+                                      recv_offs);
+    for (int a = 0; a < 4 && !st.code; a++)
+        for (int j = 0; j < P; j++) {
+            fits &= all[a][j] <= (a % 2 ? INT_MAX : chunk); /* offsets, counts */
+            c[a][j] = (int)uly__min(all[a][j], INT_MAX);
+        }
+    path = st.code ? 0 : fits ? 2 : 1;
+    ULY__TRY(uly__mpi(MPI_Allreduce(MPI_IN_PLACE, &path, 1, MPI_INT, MPI_MIN, m->comm),
+                      "MPI_Allreduce"));
+    if (st.code) return st;
+    ULY__CHECK(path, ULY_ECOMM, "alltoallv: another rank passed invalid arguments");
+    if (path == 1)
+        return uly__mpi_chunked(m->comm, P, chunk, (const char *)send, send_counts, send_offs,
+                                (char *)recv, recv_counts, recv_offs);
+    return uly__mpi(MPI_Alltoallv(send, c[0], c[1], MPI_BYTE, recv, c[2], c[3], MPI_BYTE,
+                                  m->comm), "MPI_Alltoallv");
+}
+
+static uly_status uly__mpi_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
+    uly_mpi *m = (uly_mpi *)ctx;
+    (void)stream;
+    ULY__CHECK(n >= 0 && (buf || !n), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 and buf "
+               "not NULL", ULY__LL(n));
+    for (int64_t at = 0; at < n; at += INT_MAX)
+        ULY__TRY(uly__mpi(MPI_Allreduce(MPI_IN_PLACE, buf + at, (int)uly__min(n - at, INT_MAX),
+                                        MPI_DOUBLE, MPI_SUM, m->comm), "MPI_Allreduce"));
+    return uly__ok();
+}
+
+static uly_status uly__mpi_barrier(void *ctx) {
+    return uly__mpi(MPI_Barrier(((uly_mpi *)ctx)->comm), "MPI_Barrier");
+}
+
+/* The comm keeps a pointer to m, which must outlive it. */
+ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out) {
+    int size, rank;
+    ULY__CHECK(m && out, ULY_EINVAL, "uly_mpi_comm: %s is NULL", m ? "out" : "m");
+    ULY__CHECK(m->comm != MPI_COMM_NULL, ULY_EINVAL, "uly_mpi_comm: m->comm is MPI_COMM_NULL");
+    ULY__CHECK(m->chunk_bytes >= 0 && m->chunk_bytes <= INT_MAX, ULY_EINVAL,
+               "uly_mpi_comm: chunk_bytes (%lld) must be in [0, INT_MAX] (0 = INT_MAX)",
+               ULY__LL(m->chunk_bytes));
+    ULY__TRY(uly__mpi(MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN),
+                      "MPI_Comm_set_errhandler"));
+    ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &size), "MPI_Comm_size"));
+    ULY__TRY(uly__mpi(MPI_Comm_rank(m->comm, &rank), "MPI_Comm_rank"));
+    ULY__CHECK(size <= ULY_MAX_SP, ULY_EINVAL, "uly_mpi_comm: the communicator has %d ranks, more "
+               "than ULY_MAX_SP (%d)", size, ULY_MAX_SP);
+    memset(out, 0, sizeof *out);
+    out->size = size, out->rank = rank;
+    out->alltoallv = uly__mpi_alltoallv;
+    out->allreduce_sum = uly__mpi_allreduce;
+    out->barrier = uly__mpi_barrier;
+    out->ctx = m;
+    return uly__ok();
+}
+
+/* SP groups are sp_size consecutive ranks (color rank / sp_size); a DP group takes the ranks
+   with the same position in each SP group (color rank % sp_size). */
+ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {
+    int size, rank;
+    ULY__CHECK(sp && dp, ULY_EINVAL, "uly_mpi_split: %s is NULL", sp ? "dp" : "sp");
+    ULY__CHECK(world != MPI_COMM_NULL, ULY_EINVAL, "uly_mpi_split: world is MPI_COMM_NULL");
+    ULY__TRY(uly__mpi(MPI_Comm_size(world, &size), "MPI_Comm_size"));
+    ULY__TRY(uly__mpi(MPI_Comm_rank(world, &rank), "MPI_Comm_rank"));
+    ULY__CHECK(sp_size >= 1 && sp_size <= ULY_MAX_SP && size % sp_size == 0, ULY_EINVAL,
+               "uly_mpi_split: sp_size (%d) must be in [1, %d] and divide the world size (%d)",
+               sp_size, ULY_MAX_SP, size);
+    ULY__TRY(uly__mpi(MPI_Comm_split(world, rank / sp_size, rank, sp), "MPI_Comm_split (sp)"));
+    return uly__mpi(MPI_Comm_split(world, rank % sp_size, rank, dp), "MPI_Comm_split (dp)");
+}
+#endif /* ULYSSES_MPI */
+
 /* ---------------------------------------------------------------------------------------------
    CPU layout: every direction of every exchange is one strided block copy per peer */
 
