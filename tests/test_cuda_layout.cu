@@ -1,0 +1,298 @@
+/* test_cuda_layout.cu - the layout kernels of ulysses_cuda.cuh against uly_cpu_layout.
+
+   Every pack and unpack of every exchange, on every rank of a sweep of plans (uneven S and H,
+   GQA with Hkv < P so kv heads are replicated, B > 1, rows whose bytes are not a multiple of
+   16), in each dtype, is bit-identical to the CPU reference over the whole destination buffer,
+   so nothing outside the box moves either. Tensors come in four forms: dense, a view into a
+   fused QKV buffer, heads-outer strides (rows that cannot be merged), and dense shifted by one
+   element (the element-wise path). Then the bad inputs, each a named error.
+   The CPU layout sums the gradient copies of a shared kv head (DKV unpack) in f32 only; for
+   bf16 and f16 the expected result is the CPU's on the values widened to f32, rounded once,
+   which is what the kernels promise.
+   Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu). */
+#include "emu/cuda_emu.h"
+#define ULYSSES_IMPLEMENTATION
+#include "../ulysses_cuda.cuh"
+#include "check.h"
+#include "ref64.h"
+
+/* P, B, S, H, Hkv, D */
+typedef struct lcase {
+    int P;
+    int64_t B, S, H, Hkv, D;
+} lcase;
+
+static const lcase cases[] = {
+    {1, 2, 5, 3, 1, 8},   /* one rank: every exchange is a copy */
+    {2, 1, 16, 4, 4, 8},  /* even split, 16-byte rows in bf16 */
+    {3, 2, 17, 5, 5, 6},  /* uneven S and H, 12-byte rows in bf16 */
+    {3, 2, 11, 6, 2, 8},  /* g = 3: a GQA group split across ranks */
+    {4, 2, 13, 8, 2, 4},  /* Hkv < P: every kv head on two ranks */
+    {4, 3, 9, 4, 1, 3},   /* MQA: one kv head on all ranks; odd D */
+    {4, 1, 10, 6, 3, 16}, /* H_r = 2, 2, 1, 1 */
+};
+enum { NCASES = sizeof cases / sizeof *cases };
+
+static const uly_dtype dtypes[] = {ULY_F32, ULY_BF16, ULY_F16};
+
+typedef enum form { DENSE, FUSED, HEADS_OUTER, SHIFTED } form;
+static const char *const form_names[] = {"dense", "fused", "heads-outer", "shifted"};
+static const char *const xnames[] = {"Q", "KV", "O", "DKV"};
+
+/* ---------------------------------------------------------------------------------------------
+   Buffers: one host and one device copy of the same bytes */
+
+typedef struct buf {
+    char *host, *dev;
+    int64_t bytes;
+} buf;
+
+static buf buf_new(int64_t bytes) {
+    buf b;
+    b.bytes = bytes;
+    b.host = (char *)malloc((size_t)bytes);
+    CHECK(cudaMalloc((void **)&b.dev, (size_t)bytes) == cudaSuccess, "cudaMalloc %lld",
+          (long long)bytes);
+    return b;
+}
+
+static void buf_free(buf *b) {
+    free(b->host);
+    cudaFree(b->dev);
+}
+
+/* Random finite values of dtype t, the same in both copies. */
+static void buf_fill(buf *b, uly_dtype t, uint64_t seed) {
+    ref_rng r = ref_seed(seed);
+    int64_t es = uly_dtype_size(t);
+    for (int64_t i = 0; i + es <= b->bytes; i += es) {
+        float x = ref_uniform(&r);
+        if (t == ULY_F32) memcpy(b->host + i, &x, 4);
+        else if (t == ULY_BF16) {
+            __nv_bfloat16 y = __float2bfloat16_rn(x);
+            memcpy(b->host + i, &y, 2);
+        } else {
+            __half y = __float2half_rn(x);
+            memcpy(b->host + i, &y, 2);
+        }
+    }
+    cudaMemcpy(b->dev, b->host, (size_t)b->bytes, cudaMemcpyHostToDevice);
+}
+
+/* Bytes where the device copy differs from the host copy. */
+static int64_t buf_diff(const buf *b) {
+    char *got = (char *)malloc((size_t)b->bytes);
+    int64_t n = 0;
+    CHECK(cudaMemcpy(got, b->dev, (size_t)b->bytes, cudaMemcpyDeviceToHost) == cudaSuccess,
+          "cudaMemcpy back");
+    for (int64_t i = 0; i < b->bytes; i++) n += got[i] != b->host[i];
+    free(got);
+    return n;
+}
+
+/* Element i of a host buffer of dtype t, as f32, and back (rounded to nearest even). */
+static float elem_get(const char *p, uly_dtype t, int64_t i) {
+    if (t == ULY_F32) return ((const float *)p)[i];
+    if (t == ULY_BF16) return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    return __half2float(((const __half *)p)[i]);
+}
+
+static void elem_set(char *p, uly_dtype t, int64_t i, float x) {
+    if (t == ULY_F32) ((float *)p)[i] = x;
+    else if (t == ULY_BF16) ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(x);
+    else ((__half *)p)[i] = __float2half_rn(x);
+}
+
+static float *widen(const buf *b, uly_dtype t) {
+    int64_t n = b->bytes / uly_dtype_size(t);
+    float *w = (float *)malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) w[i] = elem_get(b->host, t, i);
+    return w;
+}
+
+/* A [B, s, h, D] tensor of the given form in b (host or device copy); nq and nkv are the
+   head counts of the fused buffer it is a view into, whose q heads (Q, O) or v heads (KV, DKV)
+   it is. */
+static uly_tensor tensor_in(char *base, form f, uly_dtype t, int64_t B, int64_t s, int64_t h,
+                            int64_t D, int kv, int64_t nq, int64_t nkv) {
+    uly_tensor x = uly_dense(base + (f == SHIFTED ? uly_dtype_size(t) : 0), t, B, s, h, D);
+    if (f == FUSED) {
+        uly_tensor q, k, v;
+        uly_qkv_views(base, t, B, s, nq, nkv, D, &q, &k, &v);
+        x = kv ? v : q;
+    } else if (f == HEADS_OUTER) {
+        x.ss = D, x.sh = s * D, x.sb = h * s * D;
+    }
+    return x;
+}
+
+/* Bytes of the buffer behind tensor_in. */
+static int64_t tensor_bytes(form f, uly_dtype t, int64_t B, int64_t s, int64_t h, int64_t D,
+                            int64_t nq, int64_t nkv) {
+    int64_t heads = f == FUSED ? nq + 2 * nkv : h + (f == SHIFTED);
+    return B * s * heads * D * uly_dtype_size(t);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   One exchange on one rank, both ways */
+
+static void check_one(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unpack, form f) {
+    uly_plan p;
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = c->P, d.rank = rank, d.sp_size = c->P;
+    d.batch = c->B, d.seq_len = c->S, d.n_heads = c->H, d.n_kv_heads = c->Hkv;
+    d.head_dim = c->D, d.dtype = t;
+    uly_status st = uly_plan_init(&p, &d);
+    CHECK(!st.code, "plan: %s", st.msg);
+    if (st.code) return;
+
+    /* The tensor side: sequence layout for pack Q/KV and unpack O/DKV, else head layout. */
+    int kv = x == ULY_X_KV || x == ULY_X_DKV, seq = (x == ULY_X_Q || x == ULY_X_KV) != unpack;
+    uly_range heads = kv ? uly_kv_heads(&p, rank) : uly_heads(&p, rank);
+    int64_t s = seq ? uly_tokens(&p, rank).count : c->S;
+    int64_t h = seq ? (kv ? c->Hkv : c->H) : heads.count;
+    int64_t nq = seq ? c->H : uly_heads(&p, rank).count;
+    int64_t nkv = seq ? c->Hkv : uly_kv_heads(&p, rank).count;
+    buf tb = buf_new(tensor_bytes(f, t, c->B, s, h, c->D, nq, nkv));
+    buf xb = buf_new(unpack ? uly_recv_bytes(&p, x) : uly_send_bytes(&p, x));
+    buf_fill(&tb, t, 7);
+    buf_fill(&xb, t, 11);
+    uly_tensor th = tensor_in(tb.host, f, t, c->B, s, h, c->D, kv, nq, nkv);
+    uly_tensor tg = tensor_in(tb.dev, f, t, c->B, s, h, c->D, kv, nq, nkv);
+
+    uly_layout cpu = uly_cpu_layout(), gpu = uly_cuda_layout();
+    uly_status want, got;
+    if (unpack) {
+        got = gpu.unpack(gpu.ctx, &p, x, xb.dev, tg, NULL);
+        want = cpu.unpack(cpu.ctx, &p, x, xb.host, th, NULL);
+        if (want.code == ULY_EUNSUPPORTED) { /* shared kv heads in bf16 or f16: sum in f32 */
+            uly_plan p32 = p;
+            p32.desc.dtype = ULY_F32, p32.elem_size = 4;
+            float *tw = widen(&tb, t), *xw = widen(&xb, t);
+            uly_tensor t32 = tensor_in((char *)tw, f, ULY_F32, c->B, s, h, c->D, kv, nq, nkv);
+            want = cpu.unpack(cpu.ctx, &p32, x, xw, t32, NULL);
+            for (int64_t i = 0; i < tb.bytes / uly_dtype_size(t); i++) elem_set(tb.host, t, i, tw[i]);
+            free(tw), free(xw);
+        }
+    } else {
+        got = gpu.pack(gpu.ctx, &p, x, tg, xb.dev, NULL);
+        want = cpu.pack(cpu.ctx, &p, x, th, xb.host, NULL);
+    }
+    cudaError_t e = cudaDeviceSynchronize();
+    int64_t diff = buf_diff(unpack ? &tb : &xb);
+    CHECK(!want.code && !got.code && !e && !diff,
+          "%s %s, %s %s, P=%d rank %d B=%lld S=%lld H=%lld Hkv=%lld D=%lld: cpu '%s', gpu '%s', "
+          "cuda '%s', %lld bytes differ", unpack ? "unpack" : "pack", xnames[x],
+          uly_dtype_size(t) == 4 ? "f32" : t == ULY_BF16 ? "bf16" : "f16", form_names[f], c->P,
+          rank, (long long)c->B, (long long)c->S, (long long)c->H, (long long)c->Hkv,
+          (long long)c->D, want.msg, got.msg, cudaGetErrorString(e), (long long)diff);
+    buf_free(&tb);
+    buf_free(&xb);
+}
+
+static void check_sweep(int unpack, form f) {
+    for (int i = 0; i < NCASES; i++)
+        for (int r = 0; r < cases[i].P; r++)
+            for (int t = 0; t < 3; t++)
+                for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
+                    check_one(&cases[i], r, dtypes[t], (uly_xchg)x, unpack, f);
+}
+
+TEST(pack_dense_matches_cpu) { check_sweep(0, DENSE); }
+TEST(pack_fused_qkv_views_match_cpu) { check_sweep(0, FUSED); }
+TEST(pack_heads_outer_matches_cpu) { check_sweep(0, HEADS_OUTER); }
+TEST(pack_misaligned_takes_element_path) { check_sweep(0, SHIFTED); }
+TEST(unpack_dense_matches_cpu) { check_sweep(1, DENSE); }
+TEST(unpack_into_fused_views_matches_cpu) { check_sweep(1, FUSED); }
+TEST(unpack_heads_outer_matches_cpu) { check_sweep(1, HEADS_OUTER); }
+TEST(unpack_misaligned_takes_element_path) { check_sweep(1, SHIFTED); }
+
+/* ---------------------------------------------------------------------------------------------
+   Bad input: an error that names what is wrong, and nothing launched */
+
+typedef struct bad {
+    uly_plan p;
+    buf t, x;
+    uly_tensor q; /* [B, S_r, H, D] on the device: the source of pack Q */
+} bad;
+
+static bad bad_new(void) {
+    bad b;
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = 2, d.rank = 1, d.sp_size = 2, d.batch = 1, d.seq_len = 8, d.n_heads = 4;
+    d.head_dim = 8, d.dtype = ULY_BF16;
+    uly_status st = uly_plan_init(&b.p, &d);
+    CHECK(!st.code, "plan: %s", st.msg);
+    b.t = buf_new(4 * 4 * 8 * 2 + 2);
+    b.x = buf_new(uly_send_bytes(&b.p, ULY_X_Q) + 2);
+    b.q = uly_dense(b.t.dev, ULY_BF16, 1, 4, 4, 8);
+    return b;
+}
+
+static void bad_free(bad *b) {
+    buf_free(&b->t);
+    buf_free(&b->x);
+}
+
+static void check_rejects(uly_status st, uly_code code, const char *words) {
+    CHECK(st.code == code && strstr(st.msg, words), "code %d, message '%s', want code %d and '%s'",
+          (int)st.code, st.msg, (int)code, words);
+}
+
+TEST(rejects_null_tensor) {
+    bad b = bad_new();
+    uly_layout l = uly_cuda_layout();
+    b.q.data = NULL;
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, b.q, b.x.dev, NULL), ULY_EINVAL,
+                  "pack Q: src: data is NULL");
+    check_rejects(l.unpack(l.ctx, &b.p, ULY_X_O, b.x.dev, b.q, NULL), ULY_EINVAL,
+                  "unpack O: dst: data is NULL");
+    bad_free(&b);
+}
+
+TEST(rejects_null_exchange_buffer) {
+    bad b = bad_new();
+    uly_layout l = uly_cuda_layout();
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, b.q, NULL, NULL), ULY_EINVAL, "pack Q: send");
+    check_rejects(l.unpack(l.ctx, &b.p, ULY_X_O, NULL, b.q, NULL), ULY_EINVAL, "unpack O: recv");
+    bad_free(&b);
+}
+
+TEST(rejects_pointers_off_the_element_size) {
+    bad b = bad_new();
+    uly_layout l = uly_cuda_layout();
+    uly_tensor odd = b.q;
+    odd.data = b.t.dev + 1;
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, odd, b.x.dev, NULL), ULY_EINVAL,
+                  "not aligned to its element size");
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, b.q, b.x.dev + 1, NULL), ULY_EINVAL,
+                  "not aligned to the element size");
+    bad_free(&b);
+}
+
+TEST(rejects_a_tensor_the_plan_does_not_describe) {
+    bad b = bad_new();
+    uly_layout l = uly_cuda_layout();
+    uly_tensor wrong = uly_dense(b.t.dev, ULY_BF16, 1, 3, 4, 8); /* rank 1 owns 4 tokens */
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, wrong, b.x.dev, NULL), ULY_EINVAL,
+                  "shape [1, 3, 4, 8], want [1, 4, 4, 8]");
+    wrong = uly_dense(b.t.dev, ULY_F16, 1, 4, 4, 8);
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, wrong, b.x.dev, NULL), ULY_EINVAL,
+                  "dtype f16, want bf16");
+    bad_free(&b);
+}
+
+TEST(rejects_an_uninitialized_plan_or_exchange) {
+    bad b = bad_new();
+    uly_layout l = uly_cuda_layout();
+    uly_plan zero;
+    memset(&zero, 0, sizeof zero);
+    check_rejects(l.pack(l.ctx, &zero, ULY_X_Q, b.q, b.x.dev, NULL), ULY_EINVAL, "plan");
+    check_rejects(l.pack(l.ctx, &b.p, (uly_xchg)7, b.q, b.x.dev, NULL), ULY_EINVAL,
+                  "x (7) is not a uly_xchg");
+    bad_free(&b);
+}
+
+int main(void) { return uly_run_tests(); }
