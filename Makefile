@@ -121,6 +121,39 @@ TESTS += 'skip:test_mpi (no $(MPICC): apt-get install openmpi-bin libopenmpi-dev
 endif
 
 # --- emulator ---
+# The CUDA host emulator (tests/emu): emulated tests link EMU_OBJ (EMU_ASAN_OBJ under SAN) and
+# are compiled with $(CXX) $(EMU_CXXFLAGS) -x c++ test.cu.
+EMU_HDRS     = tests/emu/cuda_emu.h wip/cuda_ptx.cuh tests/check.h
+EMU_OBJ      = $(BUILD)/emu/cuda_emu.o
+EMU_ASAN_OBJ = $(BUILD)/asan/emu/cuda_emu.o
+
+$(EMU_OBJ): tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
+$(EMU_ASAN_OBJ): tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
+$(BUILD)/test_emu: tests/test_emu.cu $(EMU_HDRS) $(EMU_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
+$(BUILD)/asan/test_emu: tests/test_emu.cu $(EMU_HDRS) $(EMU_ASAN_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
+$(BUILD)/bench_emu: bench/bench_emu.cu $(EMU_HDRS) $(EMU_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
+# The same self-test on a GPU: built whenever nvcc is here (so make test proves it compiles for
+# sm_80 and sm_90), run by make test-gpu.
+$(BUILD)/gpu/test_emu: tests/test_emu.cu wip/cuda_ptx.cuh tests/check.h
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@
+
+TESTS      += $(BUILD)/test_emu $(BUILD)/asan/test_emu
+TEST_BINS  += $(BUILD)/test_emu $(BUILD)/asan/test_emu $(if $(HAVE_NVCC),$(BUILD)/gpu/test_emu)
+GPU_TESTS  += $(BUILD)/gpu/test_emu
+GPU_BINS   += $(BUILD)/gpu/test_emu
+BENCHES    += $(BUILD)/bench_emu
+BENCH_BINS += $(BUILD)/bench_emu
 
 # --- cuda ---
 

@@ -362,7 +362,7 @@ std::string op_site(const WarpOp &o) {
 std::string describe(const Fiber &f) {
     switch (f.state) {
     case State::ready:
-    case State::running: return "still running";
+    case State::running: return "not waiting yet";
     case State::exited: return "exited";
     case State::barrier: return strprintf("wait at __syncthreads (%s:%d)", f.file, f.line);
     case State::warp:
@@ -382,7 +382,9 @@ std::string thread_states(const Worker &w) {
         g->second.push_back(i);
     }
     std::string s;
-    for (auto &g : groups) s += "  threads " + ranges(g.second) + ": " + g.first + "\n";
+    for (auto &g : groups)
+        s += (g.second.size() == 1 ? "  thread " : "  threads ") + ranges(g.second) + ": " +
+             g.first + "\n";
     return s;
 }
 
@@ -413,27 +415,38 @@ void record_failure(Worker &w, cudaError_t err, const std::string &msg) {
 }
 
 // Fails the running block. Called on a fiber, it abandons the fiber for the scheduler and does
-// not return; called by the scheduler, it returns.
+// not return, so nothing on the fiber's stack may own memory then: the report is built and
+// freed in its own scope, and callers pass plain C strings (see Name).
 void fail(Worker &w, cudaError_t err, bool list_threads, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void fail(Worker &w, cudaError_t err, bool list_threads, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    std::string what = format(fmt, ap);
-    va_end(ap);
-    const uint3 b = blockIdx;
-    std::string msg = strprintf("cuda_emu: kernel %s, block (%u,%u,%u): %s\n", w.grid->g.name,
-                                b.x, b.y, b.z, what.c_str());
-    if (list_threads) msg += "  (threads by linear index in the block)\n" + thread_states(w);
-    record_failure(w, err, msg);
+    {
+        va_list ap;
+        va_start(ap, fmt);
+        std::string what = format(fmt, ap);
+        va_end(ap);
+        const uint3 b = blockIdx;
+        std::string msg = strprintf("cuda_emu: kernel %s, block (%u,%u,%u): %s\n",
+                                    w.grid->g.name, b.x, b.y, b.z, what.c_str());
+        if (list_threads) msg += "  (threads by linear index in the block)\n" + thread_states(w);
+        record_failure(w, err, msg);
+    }
     w.failed = true;
     if (config().abort_on_failure) abort();
     if (w.cur) switch_to(w, w.cur, nullptr, true);
 }
 
-std::string who(const Fiber &f) {
-    return strprintf("thread %u (%u,%u,%u), warp %u lane %u", f.id, f.idx.x, f.idx.y, f.idx.z,
-                     f.warp, f.lane);
+// A thread's name for reports, in a buffer that needs no freeing.
+struct Name {
+    char s[96];
+    const char *c_str() const { return s; }
+};
+
+Name who(const Fiber &f) {
+    Name n;
+    snprintf(n.s, sizeof n.s, "thread %u (%u,%u,%u), warp %u lane %u", f.id, f.idx.x, f.idx.y,
+             f.idx.z, f.warp, f.lane);
+    return n;
 }
 
 // =============================================================================================

@@ -27,8 +27,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+// nvcc makes printf, malloc and assert visible to device code without includes; so do we.
+#include <cassert>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -104,9 +108,9 @@ T uly__shfl(int op, unsigned mask, T var, int b, int c, const char *file, int li
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value,
                   "shuffles move values of at most 8 bytes");
     unsigned long long bits = 0;
-    std::memcpy(&bits, &var, sizeof(T));
+    std::memcpy(&bits, static_cast<const void *>(&var), sizeof(T));
     bits = uly_emu_warp(op, mask, bits, b, c, file, line);
-    std::memcpy(&var, &bits, sizeof(T));
+    std::memcpy(static_cast<void *>(&var), &bits, sizeof(T));
     return var;
 }
 
@@ -249,6 +253,24 @@ template <typename A, typename B> constexpr std::common_type_t<A, B> max(A a, B 
 }
 
 void __trap();
+
+// ---------------------------------------------------------------------------------------------
+// The C++ overloads that cuda_runtime.h declares for nvcc only: kernels and symbols by name.
+
+template <typename T>
+cudaError_t cudaFuncSetAttribute(T *kernel, cudaFuncAttribute attr, int value) {
+    return cudaFuncSetAttribute(reinterpret_cast<const void *>(kernel), attr, value);
+}
+template <typename T>
+cudaError_t cudaMemcpyToSymbol(const T &symbol, const void *src, size_t count, size_t offset = 0,
+                               cudaMemcpyKind kind = cudaMemcpyHostToDevice) {
+    return cudaMemcpyToSymbol(static_cast<const void *>(&symbol), src, count, offset, kind);
+}
+template <typename T>
+cudaError_t cudaMemcpyFromSymbol(void *dst, const T &symbol, size_t count, size_t offset = 0,
+                                 cudaMemcpyKind kind = cudaMemcpyDeviceToHost) {
+    return cudaMemcpyFromSymbol(dst, static_cast<const void *>(&symbol), count, offset, kind);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Kernel launch. ULY_LAUNCH(kernel, grid, block, smem_bytes, stream, args...) converts the

@@ -1,0 +1,977 @@
+// test_emu.cu: the CUDA host emulator and the PTX wrappers, each checked against an independent
+// statement of the semantics (the PTX ISA's fragment formulas and the CUDA programming guide's
+// shuffle rules are written out here, not shared with tests/emu/cuda_emu.cpp).
+//
+// The same source builds with nvcc and runs on a GPU (make test-gpu), which checks the emulator
+// against hardware; tests of what only the emulator can see (poison, schedules, failure reports)
+// are under #ifdef ULY_EMU.
+#include "emu/cuda_emu.h"
+// The PTX wrappers alone (they move into ulysses_cuda.cuh when the wip/ sections are merged).
+#include "wip/cuda_ptx.cuh"
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "check.h"
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+template <typename T> static T *upload(const std::vector<T> &h) {
+    T *d = nullptr;
+    cudaMalloc(&d, h.size() * sizeof(T));
+    cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+    return d;
+}
+
+template <typename T> static std::vector<T> download(const T *d, size_t n) {
+    std::vector<T> h(n);
+    cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+}
+
+template <typename T> static T *device_zeros(size_t n) {
+    T *d = nullptr;
+    cudaMalloc(&d, n * sizeof(T));
+    cudaMemset(d, 0, n * sizeof(T));
+    return d;
+}
+
+// The launch's error, from the launch itself or from running it.
+static cudaError_t launch_error() {
+    cudaError_t e = cudaGetLastError();
+    cudaError_t s = cudaDeviceSynchronize();
+    return e != cudaSuccess ? e : s;
+}
+
+static unsigned rand_state = 12345;
+static int small_int(int lo, int hi) {  // deterministic test data
+    rand_state = rand_state * 1103515245u + 12345u;
+    return lo + (int)((rand_state >> 16) % (unsigned)(hi - lo + 1));
+}
+
+template <typename T> __host__ __device__ inline uint16_t bits16(float x) {
+    T h;
+    if constexpr (std::is_same<T, __half>::value) h = __float2half(x);
+    else h = __float2bfloat16(x);
+    uint16_t b;
+    memcpy(&b, &h, 2);
+    return b;
+}
+
+// Two 16-bit elements in one register, the lower-indexed one in the low half.
+template <typename T> __host__ __device__ inline uint32_t pack(float lo, float hi) {
+    return (uint32_t)bits16<T>(lo) | (uint32_t)bits16<T>(hi) << 16;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fragment layouts of mma.m16n8k16 and mma.m16n8k8 with .f16/.bf16 inputs and .f32 accumulators,
+// as written in the PTX ISA (sections "Matrix Fragments for mma.m16n8k16 with floating point
+// type" and "Matrix Fragments for mma.m16n8k8"): element ai, bi, ci of a lane's fragment, with
+// groupID = %laneid >> 2 and threadID_in_group = %laneid % 4. Register r holds elements 2r
+// (low half) and 2r+1.
+
+__host__ __device__ inline int group_id(int lane) { return lane >> 2; }
+__host__ __device__ inline int thread_in_group(int lane) { return lane % 4; }
+
+// m16n8k16 A (a0..a7): row = groupID for 0 <= i < 2 || 4 <= i < 6, else groupID + 8;
+// col = threadID_in_group * 2 + (i & 1), plus 8 for i >= 4.
+// m16n8k8 A (a0..a3): row = groupID for a0, a1, else groupID + 8;
+// col = threadID_in_group * 2 + (i & 1).
+template <int K> __host__ __device__ inline int a_row(int lane, int i) {
+    if (K == 16) return (i < 2 || (i >= 4 && i < 6)) ? group_id(lane) : group_id(lane) + 8;
+    return i < 2 ? group_id(lane) : group_id(lane) + 8;
+}
+template <int K> __host__ __device__ inline int a_col(int lane, int i) {
+    int col = thread_in_group(lane) * 2 + (i & 1);
+    return K == 16 && i >= 4 ? col + 8 : col;
+}
+
+// m16n8k16 B (b0..b3): row = threadID_in_group * 2 + (i & 1), plus 8 for i >= 2; col = groupID.
+// m16n8k8 B (b0, b1): row = threadID_in_group * 2 + i; col = groupID.
+template <int K> __host__ __device__ inline int b_row(int lane, int i) {
+    int row = thread_in_group(lane) * 2 + (i & 1);
+    return K == 16 && i >= 2 ? row + 8 : row;
+}
+__host__ __device__ inline int b_col(int lane, int) { return group_id(lane); }
+
+// C and D (c0..c3), both shapes: row = groupID for c0, c1, else groupID + 8;
+// col = threadID_in_group * 2 + (i & 1).
+__host__ __device__ inline int c_row(int lane, int i) {
+    return i < 2 ? group_id(lane) : group_id(lane) + 8;
+}
+__host__ __device__ inline int c_col(int lane, int i) { return thread_in_group(lane) * 2 + (i & 1); }
+
+// Block e multiplies its own A (16xK, row-major), B (Kx8, row-major) and C (16x8): every lane
+// builds its fragments from the formulas above, and scatters D back with them.
+template <typename T, int K>
+__global__ void mma_probe(const float *A, const float *B, const float *C, float *D) {
+    const float *a = A + blockIdx.x * 16 * K, *b = B + blockIdx.x * K * 8;
+    const float *c = C + blockIdx.x * 128;
+    float *d = D + blockIdx.x * 128;
+    const int lane = threadIdx.x;
+    uint32_t ra[K / 4], rb[K / 8];
+    float rc[4], rd[4];
+    for (int r = 0; r < K / 4; r++)
+        ra[r] = pack<T>(a[a_row<K>(lane, 2 * r) * K + a_col<K>(lane, 2 * r)],
+                        a[a_row<K>(lane, 2 * r + 1) * K + a_col<K>(lane, 2 * r + 1)]);
+    for (int r = 0; r < K / 8; r++)
+        rb[r] = pack<T>(b[b_row<K>(lane, 2 * r) * 8 + b_col(lane, 2 * r)],
+                        b[b_row<K>(lane, 2 * r + 1) * 8 + b_col(lane, 2 * r + 1)]);
+    for (int i = 0; i < 4; i++) rc[i] = c[c_row(lane, i) * 8 + c_col(lane, i)];
+    if constexpr (K == 16) uly_mma_m16n8k16<T>(rd, ra, rb, rc);
+    else uly_mma_m16n8k8<T>(rd, ra, rb, rc);
+    for (int i = 0; i < 4; i++) d[c_row(lane, i) * 8 + c_col(lane, i)] = rd[i];
+}
+
+// A set of mma problems, one per block, and the plain GEMM loop that checks them.
+struct MmaCase {
+    int k;
+    std::vector<float> A, B, C;
+    std::vector<std::string> names;
+
+    explicit MmaCase(int k_) : k(k_) {}
+    size_t count() const { return names.size(); }
+    void add(const std::string &name) {
+        names.push_back(name);
+        A.resize(count() * 16 * k);
+        B.resize(count() * k * 8);
+        C.resize(count() * 128);
+    }
+    float &a(int m, int i) { return A[(count() - 1) * 16 * k + m * k + i]; }
+    float &b(int i, int n) { return B[(count() - 1) * k * 8 + i * 8 + n]; }
+    float &c(int m, int n) { return C[(count() - 1) * 128 + m * 8 + n]; }
+};
+
+template <typename T, int K> static void check_mma(const MmaCase &mc) {
+    float *A = upload(mc.A), *B = upload(mc.B), *C = upload(mc.C);
+    float *D = device_zeros<float>(mc.count() * 128);
+    ULY_LAUNCH((mma_probe<T, K>), (unsigned)mc.count(), 32, 0, 0, A, B, C, D);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<float> d = download(D, mc.count() * 128);
+    for (size_t e = 0; e < mc.count(); e++) {
+        int bad = 0;
+        for (int m = 0; m < 16; m++)
+            for (int n = 0; n < 8; n++) {
+                float want = mc.C[e * 128 + m * 8 + n];
+                for (int i = 0; i < K; i++)
+                    want += mc.A[e * 16 * K + m * K + i] * mc.B[e * K * 8 + i * 8 + n];
+                float got = d[e * 128 + m * 8 + n];
+                if (got != want && bad++ == 0)
+                    CHECK(got == want, "%s: D(%d,%d) = %g, want %g", mc.names[e].c_str(), m, n,
+                          got, want);
+            }
+    }
+    cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(D);
+}
+
+// Every element of A, B and C alone (one-hot), against operands whose entries name their
+// position, so a misplaced element shows up as a wrong value at a wrong place; then random
+// small integers, all exact in bf16, half and float.
+template <typename T, int K> static void mma_layout_sweep() {
+    MmaCase mc(K);
+    for (int m = 0; m < 16; m++)
+        for (int i = 0; i < K; i++) {
+            mc.add("A element (" + std::to_string(m) + "," + std::to_string(i) + ")");
+            mc.a(m, i) = 1;
+            for (int r = 0; r < K; r++)
+                for (int n = 0; n < 8; n++) mc.b(r, n) = (float)(r * 8 + n + 1);
+        }
+    for (int i = 0; i < K; i++)
+        for (int n = 0; n < 8; n++) {
+            mc.add("B element (" + std::to_string(i) + "," + std::to_string(n) + ")");
+            mc.b(i, n) = 1;
+            for (int m = 0; m < 16; m++)
+                for (int r = 0; r < K; r++) mc.a(m, r) = (float)(m * K + r + 1);
+        }
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 8; n++) {
+            mc.add("C element (" + std::to_string(m) + "," + std::to_string(n) + ")");
+            mc.c(m, n) = 1000;
+            for (int r = 0; r < K; r++) mc.a(m, r) = mc.b(r, n) = 1;
+        }
+    for (int t = 0; t < 8; t++) {
+        mc.add("random " + std::to_string(t));
+        for (int m = 0; m < 16; m++)
+            for (int r = 0; r < K; r++) mc.a(m, r) = (float)small_int(-3, 3);
+        for (int r = 0; r < K; r++)
+            for (int n = 0; n < 8; n++) mc.b(r, n) = (float)small_int(-3, 3);
+        for (int m = 0; m < 16; m++)
+            for (int n = 0; n < 8; n++) mc.c(m, n) = (float)small_int(-50, 50);
+    }
+    check_mma<T, K>(mc);
+}
+
+TEST(mma_m16n8k16_bf16_fragment_layouts) { mma_layout_sweep<__nv_bfloat16, 16>(); }
+TEST(mma_m16n8k16_f16_fragment_layouts) { mma_layout_sweep<__half, 16>(); }
+TEST(mma_m16n8k8_bf16_fragment_layouts) { mma_layout_sweep<__nv_bfloat16, 8>(); }
+TEST(mma_m16n8k8_f16_fragment_layouts) { mma_layout_sweep<__half, 8>(); }
+
+// d may alias c: the accumulator is read before it is written.
+__global__ void mma_in_place(float *out) {
+    const int lane = threadIdx.x;
+    uint32_t a[4], b[2];
+    for (int r = 0; r < 4; r++) a[r] = pack<__nv_bfloat16>(1, 1);
+    for (int r = 0; r < 2; r++) b[r] = pack<__nv_bfloat16>(1, 1);
+    float acc[4] = {1, 2, 3, 4};
+    uly_mma_m16n8k16<__nv_bfloat16>(acc, a, b, acc);
+    uly_mma_m16n8k16<__nv_bfloat16>(acc, a, b, acc);
+    for (int i = 0; i < 4; i++) out[lane * 4 + i] = acc[i];
+}
+
+TEST(mma_accumulates_in_place) {
+    float *out = device_zeros<float>(128);
+    ULY_LAUNCH(mma_in_place, 1, 32, 0, 0, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<float> h = download(out, 128);
+    for (int i = 0; i < 128; i++)
+        CHECK(h[i] == (float)(i % 4 + 1 + 32), "element %d: %g", i, h[i]);
+    cudaFree(out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ldmatrix.m8n8.b16, as the PTX ISA describes it: lanes 8i..8i+7 give the addresses of rows
+// 0..7 of matrix i; lane t receives, in register i, row t/4 (groupID) and columns 2*(t%4),
+// 2*(t%4)+1 of matrix i, low half first; with .trans, the same of the transposed matrix.
+
+// The rows of the N matrices sit at scattered 16-byte slots, so each lane's address matters.
+static int row_slot(int n, int matrix, int row) { return (matrix * 8 + row) * 5 % (8 * n); }
+
+template <int N, bool TRANS>
+__global__ void ldmatrix_probe(const uint16_t *mats, const int *slots, uint32_t *out) {
+    ULY_DYN_SMEM(uint16_t, smem);
+    for (int e = threadIdx.x; e < N * 64; e += 32) smem[slots[e / 8] * 8 + e % 8] = mats[e];
+    __syncthreads();
+    const int lane = threadIdx.x;
+    // Lanes past 8N repeat valid addresses (sm_75 and older read every lane's).
+    uint32_t r[N];
+    uly_ldmatrix<N, TRANS>(r, uly_smem_addr(smem + slots[lane % (8 * N)] * 8));
+    for (int i = 0; i < N; i++) out[lane * N + i] = r[i];
+}
+
+template <int N, bool TRANS> static void ldmatrix_layout() {
+    std::vector<uint16_t> mats(N * 64);
+    std::vector<int> slots(N * 8);
+    for (int i = 0; i < N; i++)
+        for (int r = 0; r < 8; r++) {
+            slots[i * 8 + r] = row_slot(N, i, r);
+            for (int c = 0; c < 8; c++)
+                mats[i * 64 + r * 8 + c] = (uint16_t)(i << 12 | r << 8 | c << 4 | 5);
+        }
+    uint16_t *dm = upload(mats);
+    int *ds = upload(slots);
+    uint32_t *out = device_zeros<uint32_t>(32 * N);
+    ULY_LAUNCH((ldmatrix_probe<N, TRANS>), 1, 32, N * 128, 0, dm, ds, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<uint32_t> h = download(out, 32 * N);
+    for (int t = 0; t < 32; t++)
+        for (int i = 0; i < N; i++)
+            for (int half = 0; half < 2; half++) {
+                int row = t / 4, col = 2 * (t % 4) + half;
+                if (TRANS) std::swap(row, col);
+                uint16_t want = mats[i * 64 + row * 8 + col];
+                uint16_t got = (uint16_t)(h[t * N + i] >> (16 * half));
+                CHECK(got == want, "x%d%s lane %d register %d half %d: 0x%04x, want 0x%04x", N,
+                      TRANS ? ".trans" : "", t, i, half, got, want);
+            }
+    cudaFree(dm), cudaFree(ds), cudaFree(out);
+}
+
+TEST(ldmatrix_x1_lane_layout) { ldmatrix_layout<1, false>(); }
+TEST(ldmatrix_x2_lane_layout) { ldmatrix_layout<2, false>(); }
+TEST(ldmatrix_x4_lane_layout) { ldmatrix_layout<4, false>(); }
+TEST(ldmatrix_x1_trans_lane_layout) { ldmatrix_layout<1, true>(); }
+TEST(ldmatrix_x2_trans_lane_layout) { ldmatrix_layout<2, true>(); }
+TEST(ldmatrix_x4_trans_lane_layout) { ldmatrix_layout<4, true>(); }
+
+// The attention pattern: S = Q K^T from ldmatrix(Q) (A) and ldmatrix(K) (B, K stored
+// [key][dim]), S's accumulators repacked as the A operand P, then O = P V from ldmatrix.trans(V)
+// (V stored [key][dim]). Q is 16x16, K 16x16, V 16x8.
+__global__ void attention_chain(const __nv_bfloat16 *Q, const __nv_bfloat16 *K,
+                                const __nv_bfloat16 *V, float *O) {
+    ULY_DYN_SMEM(__nv_bfloat16, smem);
+    __nv_bfloat16 *q = smem, *k = smem + 256, *v = smem + 512;
+    for (int e = threadIdx.x; e < 256; e += 32) q[e] = Q[e], k[e] = K[e];
+    for (int e = threadIdx.x; e < 128; e += 32) v[e] = V[e];
+    __syncthreads();
+    const int l = threadIdx.x;
+    uint32_t qa[4];
+    uly_ldmatrix<4, false>(qa, uly_smem_addr(q + (l % 16) * 16 + (l / 16) * 8));
+    float s[2][4] = {};
+    for (int nt = 0; nt < 2; nt++) {  // keys 8nt..8nt+7
+        uint32_t kb[2];
+        uly_ldmatrix<2, false>(kb, uly_smem_addr(k + (nt * 8 + l % 8) * 16 + (l / 8 % 2) * 8));
+        uly_mma_m16n8k16<__nv_bfloat16>(s[nt], qa, kb, s[nt]);
+    }
+    uint32_t pa[4] = {pack<__nv_bfloat16>(s[0][0], s[0][1]), pack<__nv_bfloat16>(s[0][2], s[0][3]),
+                      pack<__nv_bfloat16>(s[1][0], s[1][1]), pack<__nv_bfloat16>(s[1][2], s[1][3])};
+    uint32_t vb[2];
+    uly_ldmatrix<2, true>(vb, uly_smem_addr(v + (l % 16) * 8));
+    float o[4] = {};
+    uly_mma_m16n8k16<__nv_bfloat16>(o, pa, vb, o);
+    for (int i = 0; i < 4; i++) O[c_row(l, i) * 8 + c_col(l, i)] = o[i];
+}
+
+TEST(ldmatrix_mma_chain_equals_gemm_loop) {
+    std::vector<float> q(256), k(256), v(128);
+    for (float &x : q) x = (float)small_int(-2, 2);
+    for (float &x : k) x = (float)small_int(-2, 2);
+    for (float &x : v) x = (float)small_int(-2, 2);
+    auto to_bf16 = [](const std::vector<float> &f) {
+        std::vector<__nv_bfloat16> h(f.size());
+        for (size_t i = 0; i < f.size(); i++) h[i] = __float2bfloat16(f[i]);
+        return h;
+    };
+    __nv_bfloat16 *Q = upload(to_bf16(q)), *K = upload(to_bf16(k)), *V = upload(to_bf16(v));
+    float *O = device_zeros<float>(128);
+    ULY_LAUNCH(attention_chain, 1, 32, 640 * 2, 0, Q, K, V, O);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<float> o = download(O, 128);
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 8; n++) {
+            float want = 0;
+            for (int key = 0; key < 16; key++) {
+                float s = 0;  // |s| <= 64: exact in bf16
+                for (int d = 0; d < 16; d++) s += q[m * 16 + d] * k[key * 16 + d];
+                want += s * v[key * 8 + n];
+            }
+            CHECK(o[m * 8 + n] == want, "O(%d,%d) = %g, want %g", m, n, o[m * 8 + n], want);
+        }
+    cudaFree(Q), cudaFree(K), cudaFree(V), cudaFree(O);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shuffles, as the CUDA programming guide states them for a warp split into groups of `width`
+// lanes: __shfl_sync reads lane srcLane % width of the group; __shfl_up_sync lane - delta and
+// __shfl_down_sync lane + delta, keeping their own value where that leaves the group;
+// __shfl_xor_sync lane ^ laneMask, keeping its own value where that is in a later group.
+
+enum { SHFL_IDX, SHFL_UP, SHFL_DOWN, SHFL_XOR };
+
+struct ShflCase {
+    int mode, arg, width;
+};
+
+static int shfl_reference(const ShflCase &c, int lane, const int *v) {
+    int base = lane / c.width * c.width;
+    switch (c.mode) {
+    case SHFL_IDX: return v[base + c.arg % c.width];
+    case SHFL_UP: return lane - base >= c.arg ? v[lane - c.arg] : v[lane];
+    case SHFL_DOWN: return lane - base + c.arg < c.width ? v[lane + c.arg] : v[lane];
+    default: return (lane ^ c.arg) < base + c.width ? v[lane ^ c.arg] : v[lane];
+    }
+}
+
+__host__ __device__ inline int shfl_input(int tid) { return (tid / 32) * 1000 + (tid % 32) * 3 + 7; }
+
+// Block b runs case b on two warps.
+__global__ void shfl_probe(const ShflCase *cases, int *out) {
+    const ShflCase c = cases[blockIdx.x];
+    const int v = shfl_input(threadIdx.x);
+    int r;
+    switch (c.mode) {
+    case SHFL_IDX: r = __shfl_sync(0xffffffff, v, c.arg, c.width); break;
+    case SHFL_UP: r = __shfl_up_sync(0xffffffff, v, c.arg, c.width); break;
+    case SHFL_DOWN: r = __shfl_down_sync(0xffffffff, v, c.arg, c.width); break;
+    default: r = __shfl_xor_sync(0xffffffff, v, c.arg, c.width); break;
+    }
+    out[blockIdx.x * 64 + threadIdx.x] = r;
+}
+
+TEST(shuffles_follow_the_programming_guide) {
+    std::vector<ShflCase> cases;
+    for (int width = 1; width <= 32; width *= 2) {
+        for (int arg = 0; arg < 40; arg += 3) cases.push_back({SHFL_IDX, arg, width});
+        for (int arg : {0, 1, 2, 3, 5, 8, 16, 31}) {
+            cases.push_back({SHFL_UP, arg, width});
+            cases.push_back({SHFL_DOWN, arg, width});
+        }
+        for (int arg = 0; arg < 32; arg++) cases.push_back({SHFL_XOR, arg, width});
+    }
+    ShflCase *dc = upload(cases);
+    int *out = device_zeros<int>(cases.size() * 64);
+    ULY_LAUNCH(shfl_probe, (unsigned)cases.size(), 64, 0, 0, dc, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> h = download(out, cases.size() * 64);
+    static const char *names[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync",
+                                  "__shfl_xor_sync"};
+    for (size_t b = 0; b < cases.size(); b++)
+        for (int t = 0; t < 64; t++) {
+            int v[32];
+            for (int i = 0; i < 32; i++) v[i] = shfl_input(t / 32 * 32 + i);
+            int want = shfl_reference(cases[b], t % 32, v), got = h[b * 64 + t];
+            CHECK(got == want, "%s(arg %d, width %d), thread %d: %d, want %d",
+                  names[cases[b].mode], cases[b].arg, cases[b].width, t, got, want);
+        }
+    cudaFree(dc), cudaFree(out);
+}
+
+// Each half-warp shuffles among itself with its own member mask, in divergent branches; values
+// of 8 and 2 bytes move whole.
+__global__ void shfl_halves(double *wide, float *narrow) {
+    const int lane = threadIdx.x;
+    double d = lane + 0.25;
+    __nv_bfloat16 h = __float2bfloat16((float)lane);
+    if (lane < 16) {
+        d = __shfl_xor_sync(0x0000ffff, d, 1);
+        h = __shfl_down_sync(0x0000ffff, h, 2, 16);
+    } else {
+        d = __shfl_xor_sync(0xffff0000, d, 2);
+        h = __shfl_up_sync(0xffff0000, h, 2, 16);
+    }
+    wide[lane] = d;
+    narrow[lane] = __bfloat162float(h);
+}
+
+TEST(shuffles_in_divergent_half_warps) {
+    double *wide = device_zeros<double>(32);
+    float *narrow = device_zeros<float>(32);
+    ULY_LAUNCH(shfl_halves, 1, 32, 0, 0, wide, narrow);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<double> w = download(wide, 32);
+    std::vector<float> n = download(narrow, 32);
+    for (int l = 0; l < 32; l++) {
+        double want_w = (l < 16 ? (l ^ 1) : (l ^ 2)) + 0.25;
+        int in_group = l % 16;
+        float want_n = (float)(l < 16 ? (in_group + 2 < 16 ? l + 2 : l) : (in_group >= 2 ? l - 2 : l));
+        CHECK(w[l] == want_w, "lane %d: double %g, want %g", l, w[l], want_w);
+        CHECK(n[l] == want_n, "lane %d: bf16 %g, want %g", l, n[l], want_n);
+    }
+    cudaFree(wide), cudaFree(narrow);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Votes and __syncwarp.
+
+__global__ void votes(unsigned *out) {
+    const int lane = threadIdx.x;
+    const int pred = lane * 7 % 5 == 0;
+    out[lane * 6 + 0] = __ballot_sync(0xffffffff, pred);
+    out[lane * 6 + 1] = __any_sync(0xffffffff, lane == 17);
+    out[lane * 6 + 2] = __all_sync(0xffffffff, lane < 32);
+    out[lane * 6 + 3] = __all_sync(0xffffffff, lane != 9);
+    out[lane * 6 + 4] = __any_sync(0xffffffff, 0);
+    // Odd and even lanes vote apart; each ballot covers only its own member mask.
+    out[lane * 6 + 5] = lane & 1 ? __ballot_sync(0xaaaaaaaa, 1) : __ballot_sync(0x55555555, lane < 8);
+}
+
+TEST(votes_cover_the_member_mask) {
+    unsigned *out = device_zeros<unsigned>(32 * 6);
+    ULY_LAUNCH(votes, 1, 32, 0, 0, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<unsigned> h = download(out, 32 * 6);
+    unsigned ballot = 0;
+    for (int l = 0; l < 32; l++) ballot |= (unsigned)(l * 7 % 5 == 0) << l;
+    for (int l = 0; l < 32; l++) {
+        const unsigned *o = &h[l * 6];
+        CHECK(o[0] == ballot, "lane %d: ballot 0x%08x, want 0x%08x", l, o[0], ballot);
+        CHECK(o[1] == 1 && o[2] == 1 && o[3] == 0 && o[4] == 0, "lane %d: any/all %u %u %u %u", l,
+              o[1], o[2], o[3], o[4]);
+        unsigned want = l & 1 ? 0xaaaaaaaau : 0x00000055u;
+        CHECK(o[5] == want, "lane %d: half ballot 0x%08x, want 0x%08x", l, o[5], want);
+    }
+    cudaFree(out);
+}
+
+// Lanes exchange values through shared memory; __syncwarp orders the writes before the reads.
+__global__ void syncwarp_exchange(int *out) {
+    __shared__ int slot[64];
+    const int t = threadIdx.x;
+    slot[t] = t * 11 + (int)blockIdx.x;
+    __syncwarp();
+    out[blockIdx.x * 64 + t] = slot[t ^ 5];
+}
+
+TEST(syncwarp_orders_shared_memory_within_a_warp) {
+    int *out = device_zeros<int>(8 * 64);
+    ULY_LAUNCH(syncwarp_exchange, 8, 64, 0, 0, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> h = download(out, 8 * 64);
+    for (int b = 0; b < 8; b++)
+        for (int t = 0; t < 64; t++)
+            CHECK(h[b * 64 + t] == (t ^ 5) * 11 + b, "block %d thread %d: %d", b, t, h[b * 64 + t]);
+    cudaFree(out);
+}
+
+// A warp waits only for its own lanes: warp 0 shuffles while warp 1 already waits at the
+// barrier, which a block-wide rendezvous would deadlock on.
+__global__ void warp_alone(int *out) {
+    int v = threadIdx.x;
+    if (threadIdx.x < 32) v = __shfl_xor_sync(0xffffffff, v, 1);
+    __syncthreads();
+    out[threadIdx.x] = v;
+}
+
+TEST(warp_operations_wait_only_for_their_warp) {
+    int *out = device_zeros<int>(64);
+    ULY_LAUNCH(warp_alone, 1, 64, 0, 0, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> h = download(out, 64);
+    for (int t = 0; t < 64; t++)
+        CHECK(h[t] == (t < 32 ? t ^ 1 : t), "thread %d: %d", t, h[t]);
+    cudaFree(out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Barriers: a missing __syncthreads fails under the random schedule, the correct kernel passes.
+
+template <bool SYNC> __global__ void neighbour_sum(int salt, int *out) {
+    ULY_DYN_SMEM(int, smem);
+    const int t = threadIdx.x, n = blockDim.x;
+    smem[t] = t + salt;
+    if (SYNC) __syncthreads();
+    out[blockIdx.x * n + t] = smem[(t + 1) % n];
+}
+
+template <bool SYNC> static int neighbour_mismatches() {
+    const int blocks = 4, n = 128, salt = 777;
+    int *out = device_zeros<int>(blocks * n);
+    ULY_LAUNCH(neighbour_sum<SYNC>, blocks, n, n * sizeof(int), 0, salt, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> h = download(out, blocks * n);
+    int bad = 0;
+    for (int i = 0; i < blocks * n; i++) bad += h[i] != (i % n + 1) % n + salt;
+    cudaFree(out);
+    return bad;
+}
+
+TEST(barrier_orders_shared_memory) {
+    CHECK(neighbour_mismatches<true>() == 0, "the correct kernel failed");
+}
+
+#ifdef ULY_EMU
+static bool contains(const std::string &s, const char *part) {
+    return s.find(part) != std::string::npos;
+}
+
+// Thread t reads what thread t+1 wrote: in any order of the threads some thread reads first
+// (they form a cycle), so without the barrier the poisoned shared memory always shows.
+TEST(missing_syncthreads_fails_under_the_schedule) {
+    CHECK(neighbour_mismatches<false>() > 0, "the kernel without __syncthreads passed");
+}
+
+// The order of threads is drawn anew after every barrier: tickets taken in arrival order.
+__global__ void draw_tickets(int *counter, int *ticket) {
+    ticket[threadIdx.x] = atomicAdd(&counter[0], 1);
+    __syncthreads();
+    ticket[blockDim.x + threadIdx.x] = atomicAdd(&counter[1], 1);
+}
+
+TEST(threads_run_in_a_random_order_between_barriers) {
+    const int n = 128;
+    int *counter = device_zeros<int>(2), *ticket = device_zeros<int>(2 * n);
+    ULY_LAUNCH(draw_tickets, 1, n, 0, 0, counter, ticket);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> h = download(ticket, 2 * n);
+    int first_in_index_order = 0, second_in_index_order = 0, same = 0;
+    for (int t = 0; t < n; t++) {
+        first_in_index_order += h[t] == t;
+        second_in_index_order += h[n + t] == t;
+        same += h[t] == h[n + t];
+    }
+    CHECK(first_in_index_order < n && second_in_index_order < n, "threads ran in index order");
+    CHECK(same < n, "the order after the barrier repeats the order before it");
+    cudaFree(counter), cudaFree(ticket);
+}
+
+// Failure detection: the launch fails, with a report that names kernel, block, threads, seed.
+static std::string expect_failure(cudaError_t want) {
+    cudaError_t e = launch_error();
+    CHECK(e == want, "launch returned %s, want %s", cudaGetErrorName(e), cudaGetErrorName(want));
+    std::string report = uly_emu_last_failure();
+    CHECK(contains(report, "seed"), "report lacks the seed: %s", report.c_str());
+    return report;
+}
+
+__global__ void diverging_barriers(int *out) {
+    if (threadIdx.x < 64) __syncthreads();
+    else __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
+TEST(divergent_barriers_are_reported) {
+    int *out = device_zeros<int>(128);
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(diverging_barriers, 2, 128, 0, 0, out);
+    std::string r = expect_failure(cudaErrorLaunchFailure);
+    uly_emu_set_quiet(false);
+    CHECK(contains(r, "diverging_barriers") && contains(r, "block (") &&
+              contains(r, "different barriers") && contains(r, "test_emu.cu"),
+          "report: %s", r.c_str());
+    cudaFree(out);
+}
+
+__global__ void barrier_after_exit(int *out) {
+    if (threadIdx.x >= 100) return;
+    __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
+TEST(barrier_after_an_exit_is_reported) {
+    int *out = device_zeros<int>(128);
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(barrier_after_exit, 1, 128, 0, 0, out);
+    std::string r = expect_failure(cudaErrorLaunchFailure);
+    uly_emu_set_quiet(false);
+    CHECK(contains(r, "exited"), "report: %s", r.c_str());
+    cudaFree(out);
+}
+
+// Thread 0 waits in __syncwarp for lane 1, which waits at the barrier for thread 0.
+__global__ void warp_barrier_deadlock(int *out) {
+    if (threadIdx.x == 0) __syncwarp(0x3);
+    else __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
+TEST(deadlock_is_reported_not_hung) {
+    int *out = device_zeros<int>(64);
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(warp_barrier_deadlock, 1, 64, 0, 0, out);
+    std::string r = expect_failure(cudaErrorLaunchFailure);
+    uly_emu_set_quiet(false);
+    CHECK(contains(r, "deadlock") && contains(r, "threads 1-63: wait at __syncthreads") &&
+              contains(r, "thread 0: wait in __syncwarp, member mask 0x00000003"),
+          "report: %s", r.c_str());
+    cudaFree(out);
+}
+
+__global__ void lane_outside_mask(int *out) {
+    out[threadIdx.x] = __shfl_sync(0x0000ffff, (int)threadIdx.x, 0);
+}
+
+__global__ void mask_past_partial_warp(int *out) {
+    out[threadIdx.x] = __shfl_sync(0xffffffff, (int)threadIdx.x, 0);
+}
+
+TEST(member_masks_are_checked) {
+    int *out = device_zeros<int>(64);
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(lane_outside_mask, 1, 32, 0, 0, out);
+    std::string r = expect_failure(cudaErrorLaunchFailure);
+    CHECK(contains(r, "not in its own member mask"), "report: %s", r.c_str());
+    ULY_LAUNCH(mask_past_partial_warp, 1, 48, 0, 0, out);
+    r = expect_failure(cudaErrorLaunchFailure);
+    CHECK(contains(r, "do not exist"), "report: %s", r.c_str());
+    uly_emu_set_quiet(false);
+    cudaFree(out);
+}
+#endif
+
+// A partial last warp works with a mask of the lanes it has.
+__global__ void partial_warp_shuffle(int *out) {
+    const unsigned mask = threadIdx.x < 32 ? 0xffffffffu : 0x0000ffffu;
+    out[threadIdx.x] = __shfl_xor_sync(mask, (int)threadIdx.x, 1);
+}
+
+TEST(partial_warps_shuffle_among_their_lanes) {
+    int *out = device_zeros<int>(48);
+    ULY_LAUNCH(partial_warp_shuffle, 1, 48, 0, 0, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> h = download(out, 48);
+    for (int t = 0; t < 48; t++) CHECK(h[t] == (t ^ 1), "thread %d: %d", t, h[t]);
+    cudaFree(out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// cp.async: groups, zero fill, waits.
+
+// Thread t copies 16 bytes with src_bytes = t % 17 (0 = all zeros), then 8 and 4 bytes whole.
+__global__ void cp_async_sizes(const unsigned char *src, unsigned char *out) {
+    ULY_DYN_SMEM(unsigned char, smem);
+    const int t = threadIdx.x;
+    uly_cp_async<16>(uly_smem_addr(smem + t * 32), src + t * 32, t % 17);
+    uly_cp_async<8>(uly_smem_addr(smem + t * 32 + 16), src + t * 32 + 16, 8);
+    uly_cp_async<4>(uly_smem_addr(smem + t * 32 + 24), src + t * 32 + 24, 4);
+    uly_cp_async_wait_all();
+    for (int i = 0; i < 28; i++) out[t * 28 + i] = smem[t * 32 + i];
+}
+
+TEST(cp_async_copies_and_zero_fills) {
+    std::vector<unsigned char> src(64 * 32);
+    for (size_t i = 0; i < src.size(); i++) src[i] = (unsigned char)(i * 7 + 1);
+    unsigned char *ds = upload(src), *out = device_zeros<unsigned char>(64 * 28);
+    ULY_LAUNCH(cp_async_sizes, 1, 64, 64 * 32, 0, ds, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<unsigned char> h = download(out, 64 * 28);
+    for (int t = 0; t < 64; t++)
+        for (int i = 0; i < 28; i++) {
+            unsigned char want = i < 16 && i >= t % 17 ? 0 : src[t * 32 + i];
+            CHECK(h[t * 28 + i] == want, "thread %d byte %d: %d, want %d", t, i, h[t * 28 + i],
+                  want);
+        }
+    cudaFree(ds), cudaFree(out);
+}
+
+// Three groups; wait_group<2>, <1>, <0> complete them oldest first. Under the emulator the
+// groups still pending must hold poison (on a GPU they may or may not have landed).
+__global__ void cp_async_groups(const uint32_t *src, uint32_t *seen) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    const int t = threadIdx.x;
+    for (int g = 0; g < 3; g++) {
+        uly_cp_async<4>(uly_smem_addr(smem + g * 32 + t), src + g * 32 + t, 4);
+        uly_cp_async_commit();
+    }
+    uly_cp_async_wait<2>();
+    for (int g = 0; g < 3; g++) seen[0 * 96 + g * 32 + t] = smem[g * 32 + t];
+    uly_cp_async_wait<1>();
+    for (int g = 0; g < 3; g++) seen[1 * 96 + g * 32 + t] = smem[g * 32 + t];
+    uly_cp_async_wait<0>();
+    for (int g = 0; g < 3; g++) seen[2 * 96 + g * 32 + t] = smem[g * 32 + t];
+}
+
+TEST(cp_async_wait_group_completes_the_oldest_groups) {
+    std::vector<uint32_t> src(96);
+    for (int i = 0; i < 96; i++) src[i] = 0x1000u + i;
+    uint32_t *ds = upload(src), *seen = device_zeros<uint32_t>(3 * 96);
+    ULY_LAUNCH(cp_async_groups, 1, 32, 96 * 4, 0, ds, seen);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<uint32_t> h = download(seen, 3 * 96);
+    for (int step = 0; step < 3; step++)       // after wait_group<2 - step>
+        for (int g = 0; g < 3; g++)            // group g, committed g-th
+            for (int t = 0; t < 32; t++) {
+                uint32_t got = h[step * 96 + g * 32 + t];
+                if (g <= step)
+                    CHECK(got == src[g * 32 + t], "step %d group %d thread %d: 0x%x", step, g, t,
+                          got);
+#ifdef ULY_EMU
+                else
+                    CHECK(got == 0xffffffffu, "step %d: group %d landed before its wait: 0x%x",
+                          step, g, got);
+#endif
+            }
+    cudaFree(ds), cudaFree(seen);
+}
+
+#ifdef ULY_EMU
+// Without the wait the destination still holds the poison; and a thread's wait completes only
+// its own copies, so thread 0, which never waits, leaves its row poisoned for everyone.
+__global__ void cp_async_without_wait(const uint32_t *src, uint32_t *seen) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    const int t = threadIdx.x;
+    smem[t] = 5;
+    uly_cp_async<4>(uly_smem_addr(smem + t), src + t, 4);
+    uly_cp_async_commit();
+    seen[t] = smem[t];
+    if (t != 0) uly_cp_async_wait<0>();
+    __syncthreads();
+    seen[32 + t] = smem[t];
+}
+
+TEST(cp_async_missing_wait_reads_poison) {
+    std::vector<uint32_t> src(32, 42);
+    uint32_t *ds = upload(src), *seen = device_zeros<uint32_t>(64);
+    ULY_LAUNCH(cp_async_without_wait, 1, 32, 32 * 4, 0, ds, seen);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<uint32_t> h = download(seen, 64);
+    for (int t = 0; t < 32; t++) {
+        CHECK(h[t] == 0xffffffffu, "thread %d read 0x%x before its wait", t, h[t]);
+        uint32_t want = t == 0 ? 0xffffffffu : 42;
+        CHECK(h[32 + t] == want, "thread %d after the barrier: 0x%x, want 0x%x", t, h[32 + t],
+              want);
+    }
+    cudaFree(ds), cudaFree(seen);
+}
+
+__global__ void cp_async_out_of_bounds(const uint32_t *src) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    uly_cp_async<16>(uly_smem_addr(smem + 4 * threadIdx.x), src, 16);
+    uly_cp_async_wait_all();
+}
+
+__global__ void cp_async_misaligned(const uint32_t *src) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    uly_cp_async<16>(uly_smem_addr(smem + 1), src, 16);
+    uly_cp_async_wait_all();
+}
+
+__global__ void ldmatrix_out_of_bounds(uint32_t *out) {
+    ULY_DYN_SMEM(uint16_t, smem);
+    uint32_t r[4];
+    uly_ldmatrix<4, false>(r, uly_smem_addr(smem + threadIdx.x * 8));
+    out[threadIdx.x] = r[0];
+}
+
+TEST(shared_memory_bounds_are_checked) {
+    std::vector<uint32_t> src(64, 1);
+    uint32_t *ds = upload(src);
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(cp_async_out_of_bounds, 1, 32, 32 * 16 - 16, 0, ds);
+    std::string r = expect_failure(cudaErrorIllegalAddress);
+    CHECK(contains(r, "cp.async") && contains(r, "thread 31"), "report: %s", r.c_str());
+    ULY_LAUNCH(cp_async_misaligned, 1, 32, 1024, 0, ds);
+    r = expect_failure(cudaErrorMisalignedAddress);
+    ULY_LAUNCH(ldmatrix_out_of_bounds, 1, 32, 31 * 16, 0, ds);
+    r = expect_failure(cudaErrorIllegalAddress);
+    CHECK(contains(r, "ldmatrix") && contains(r, "lane 31"), "report: %s", r.c_str());
+    uly_emu_set_quiet(false);
+    cudaFree(ds);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Atomics, grids, shared memory, runtime.
+
+__global__ void count_up(float *fsum, int *isum) {
+    atomicAdd(fsum, 1.0f);
+    atomicAdd(isum, 2);
+}
+
+TEST(atomics_add_across_concurrent_blocks) {
+    float *f = device_zeros<float>(1);
+    int *i = device_zeros<int>(1);
+    ULY_LAUNCH(count_up, 64, 128, 0, 0, f, i);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    CHECK(download(f, 1)[0] == 8192.0f, "float sum %g", download(f, 1)[0]);
+    CHECK(download(i, 1)[0] == 16384, "int sum %d", download(i, 1)[0]);
+    cudaFree(f), cudaFree(i);
+}
+
+// Every thread of a 3D grid of 3D blocks finds its global index exactly once.
+__global__ void index_3d(int *hits, int *where) {
+    const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const int thread = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+    const int id = block * blockDim.x * blockDim.y * blockDim.z + thread;
+    atomicAdd(&hits[id], 1);
+    where[id] = (int)(blockIdx.x | blockIdx.y << 4 | blockIdx.z << 8 | threadIdx.x << 12 |
+                      threadIdx.y << 16 | threadIdx.z << 20 | (thread % 32 == (int)uly_lane_id()) << 24);
+}
+
+TEST(grids_and_blocks_in_three_dimensions) {
+    const dim3 grid(3, 2, 2), block(4, 2, 5);
+    const int n = 12 * 40;
+    int *hits = device_zeros<int>(n), *where = device_zeros<int>(n);
+    ULY_LAUNCH(index_3d, grid, block, 0, 0, hits, where);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> h = download(hits, n), w = download(where, n);
+    for (int id = 0; id < n; id++) {
+        int b = id / 40, t = id % 40;
+        int want = b % 3 | (b / 3 % 2) << 4 | (b / 6) << 8 | (t % 4) << 12 | (t / 4 % 2) << 16 |
+                   (t / 8) << 20 | 1 << 24;
+        CHECK(h[id] == 1 && w[id] == want, "thread %d: %d hits, 0x%x, want 0x%x", id, h[id],
+              w[id], want);
+    }
+    cudaFree(hits), cudaFree(where);
+}
+
+// Each block sums its own values through a static __shared__ array; blocks run concurrently.
+__global__ void block_sums(const int *in, int *out) {
+    __shared__ int part[128];
+    part[threadIdx.x] = in[blockIdx.x * 128 + threadIdx.x];
+    __syncthreads();
+    for (int s = 64; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = part[0];
+}
+
+TEST(static_shared_memory_is_per_block) {
+    std::vector<int> in(64 * 128);
+    for (size_t i = 0; i < in.size(); i++) in[i] = (int)(i % 1000);
+    int *din = upload(in), *out = device_zeros<int>(64);
+    ULY_LAUNCH(block_sums, 64, 128, 0, 0, din, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> h = download(out, 64);
+    for (int b = 0; b < 64; b++) {
+        int want = 0;
+        for (int t = 0; t < 128; t++) want += in[b * 128 + t];
+        CHECK(h[b] == want, "block %d: %d, want %d", b, h[b], want);
+    }
+    cudaFree(din), cudaFree(out);
+}
+
+// 100 KB of dynamic shared memory needs cudaFuncSetAttribute, as on the GPU.
+__global__ void big_smem(int *out) {
+    ULY_DYN_SMEM(int, smem);
+    const int n = 25600;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) smem[i] = i;
+    __syncthreads();
+    int sum = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sum += smem[n - 1 - i];
+    atomicAdd(out, sum);
+}
+
+TEST(dynamic_shared_memory_over_48k_needs_the_attribute) {
+    const int bytes = 100 * 1024;
+    int *out = device_zeros<int>(1);
+    ULY_LAUNCH(big_smem, 1, 256, bytes, 0, out);
+    CHECK(launch_error() == cudaErrorInvalidValue, "launch without the attribute ran");
+    CHECK(cudaFuncSetAttribute(big_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
+              cudaSuccess,
+          "attribute refused");
+    ULY_LAUNCH(big_smem, 1, 256, bytes, 0, out);
+    CHECK(launch_error() == cudaSuccess, "launch with the attribute failed");
+    CHECK(download(out, 1)[0] == 25600 * 25599 / 2, "sum %d", download(out, 1)[0]);
+    cudaFree(out);
+}
+
+__global__ void smem_offsets(uint32_t *out) {
+    ULY_DYN_SMEM(unsigned char, smem);
+    out[0] = uly_smem_addr(smem + 100) - uly_smem_addr(smem);
+    out[1] = (uint32_t)(reinterpret_cast<uintptr_t>(smem) % 16);
+}
+
+TEST(shared_addresses_are_offsets_in_the_shared_window) {
+    uint32_t *out = device_zeros<uint32_t>(2);
+    ULY_LAUNCH(smem_offsets, 1, 32, 256, 0, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<uint32_t> h = download(out, 2);
+    CHECK(h[0] == 100 && h[1] == 0, "offset %u, alignment remainder %u", h[0], h[1]);
+    cudaFree(out);
+}
+
+TEST(bad_launch_configurations_are_refused) {
+    int *out = device_zeros<int>(1);
+    ULY_LAUNCH(count_up, 1, 2048, 0, 0, (float *)nullptr, out);
+    CHECK(launch_error() == cudaErrorInvalidConfiguration, "2048 threads per block launched");
+    ULY_LAUNCH(count_up, dim3(1, 70000), 32, 0, 0, (float *)nullptr, out);
+    CHECK(launch_error() == cudaErrorInvalidConfiguration, "grid.y of 70000 launched");
+    cudaFree(out);
+}
+
+TEST(runtime_streams_events_and_copies) {
+    cudaStream_t s = nullptr;
+    cudaEvent_t start = nullptr, stop = nullptr;
+    CHECK(cudaStreamCreate(&s) == cudaSuccess, "stream");
+    CHECK(cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess, "events");
+    int *d = nullptr;
+    CHECK(cudaMalloc(&d, 64 * sizeof(int)) == cudaSuccess, "malloc");
+    cudaEventRecord(start, s);
+    cudaMemsetAsync(d, 0, 64 * sizeof(int), s);
+    ULY_LAUNCH(count_up, 2, 32, 0, s, (float *)(d + 8), d);
+    std::vector<int> h(64, 7);
+    cudaMemcpyAsync(d + 32, h.data(), 32 * sizeof(int), cudaMemcpyHostToDevice, s);
+    cudaEventRecord(stop, s);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess, "stream sync");
+    float ms = -1;
+    CHECK(cudaEventElapsedTime(&ms, start, stop) == cudaSuccess && ms >= 0, "elapsed %g", ms);
+    h = download(d, 64);
+    CHECK(h[0] == 128 && h[1] == 0 && h[32] == 7 && h[63] == 7, "%d %d %d %d", h[0], h[1], h[32],
+          h[63]);
+    CHECK(cudaGetLastError() == cudaSuccess, "error left over");
+    CHECK(strlen(cudaGetErrorString(cudaErrorIllegalAddress)) > 0, "error string");
+    cudaFree(d);
+    cudaEventDestroy(start), cudaEventDestroy(stop);
+    cudaStreamDestroy(s);
+}
+
+#ifdef ULY_EMU
+TEST(device_properties_are_an_h100) {
+    cudaDeviceProp p;
+    CHECK(cudaGetDeviceProperties(&p, 0) == cudaSuccess, "properties");
+    CHECK(p.multiProcessorCount == 132 && p.sharedMemPerMultiprocessor == 228 * 1024 &&
+              p.sharedMemPerBlockOptin == 227 * 1024 && p.warpSize == 32 && p.major == 9,
+          "%d SMs, %zu per SM, %zu per block", p.multiProcessorCount,
+          p.sharedMemPerMultiprocessor, p.sharedMemPerBlockOptin);
+    int sms = 0;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess &&
+              sms == 132,
+          "attribute %d", sms);
+}
+#endif
+
+int main() { return uly_run_tests(); }
