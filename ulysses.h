@@ -1188,11 +1188,35 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     return uly__check_like("dv", a->dv, kv);
 }
 
-/* Scratch, in floats: K and V transposed, the group's dK and dV and one head's share of them,
-   all [Sk, D]; then p and dp [Sk]. The forward uses K transposed and p. */
+/* Query rows per tile, and keys whose dot products are summed together in registers. */
+enum { ULY__TILE = 16, ULY__KEYS = 16 };
+
+/* The scratch, in fp32: K and V transposed to [D][sp] (sp = Sk rounded up to ULY__KEYS, zero
+   past Sk), the kv group's dK and dV and one head's share of them [Sk][D], then p and dp for
+   a tile of rows [ULY__TILE][sp]. The forward uses kt and p. */
+typedef struct uly__scratch {
+    float *kt, *vt, *gk, *gv, *hk, *hv, *p, *dp;
+    int64_t sp;
+} uly__scratch;
+
+/* Lays it out from base (NULL: sizes only); returns its bytes, -1 on overflow. */
+static int64_t uly__scratch_at(const uly_attn_args *a, void *base, uly__scratch *s) {
+    int64_t sp = a->k.s > INT64_MAX - ULY__KEYS ? -1 : (a->k.s + ULY__KEYS - 1) / ULY__KEYS * ULY__KEYS;
+    int64_t t = uly__mul(a->q.d, sp), g = uly__mul(a->q.d, a->k.s), tile = uly__mul(ULY__TILE, sp);
+    float **part[8] = {&s->kt, &s->vt, &s->gk, &s->gv, &s->hk, &s->hv, &s->p, &s->dp};
+    int64_t floats[8] = {t, t, g, g, g, g, tile, tile}, at = 0;
+    for (int i = 0; i < 8; i++) {
+        *part[i] = (float *)uly__ptr(base, at);
+        at = uly__add(at, uly__mul(floats[i], 4));
+    }
+    s->sp = sp;
+    return at;
+}
+
 static int64_t uly__cpu_workspace(void *ctx, const uly_attn_args *a) {
+    uly__scratch s;
     (void)ctx;
-    return uly__mul(uly__mul(uly__add(uly__mul(6, a->q.d), 2), a->k.s), 4);
+    return uly__scratch_at(a, NULL, &s);
 }
 
 static uly_status uly__cpu_check(const uly_attn_args *a, int backward) {
@@ -1214,84 +1238,134 @@ static uly_tensor uly__head_of(uly_tensor t, int64_t b, int64_t h) {
     return t;
 }
 
-/* K (and V) of kv head h in batch b, transposed to [D][Sk]. */
-static void uly__transpose(float *__restrict out, uly_tensor k, int64_t b, int64_t h) {
+/* K (or V) of kv head h in batch b, transposed to [D][sp]. */
+static void uly__transpose(float *out, int64_t sp, uly_tensor k, int64_t b, int64_t h) {
+    for (int64_t d = 0; d < k.d; d++) memset(out + d * sp + k.s, 0, (size_t)(sp - k.s) * sizeof *out);
     for (int64_t j = 0; j < k.s; j++) {
         const float *row = uly__f32(k, b, j, h);
-        for (int64_t d = 0; d < k.d; d++) out[d * k.s + j] = row[d];
+        for (int64_t d = 0; d < k.d; d++) out[d * sp + j] = row[d];
     }
 }
 
-/* out[j] = x . column j of mt [D][Sk], for j < n, summed over d in order. */
-static void uly__dots(const float *__restrict x, const float *__restrict mt, int64_t D, int64_t Sk,
-                      int64_t n, float *__restrict out) {
-    for (int64_t j = 0; j < n; j++) out[j] = 0;
-    for (int64_t d = 0; d < D; d++) {
-        const float xd = x[d], *__restrict m = mt + d * Sk;
-        for (int64_t j = 0; j < n; j++) out[j] += xd * m[j];
-    }
+/* y += a x over n floats. */
+static void uly__axpy(int64_t n, float a, const float *__restrict x, float *__restrict y) {
+    for (int64_t e = 0; e < n; e++) y[e] += a * x[e];
 }
 
-/* One row of the forward. */
-static void uly__fwd_row(const uly_attn_args *a, const float *kt, float *p, int64_t b, int64_t i,
-                         int64_t r) {
-    const int64_t D = a->q.d, n = uly__keys(a, r), kh = uly__kv_of(a, i);
-    const float *q = uly__f32(a->q, b, r, i);
-    float *__restrict o = uly__f32(a->o, b, r, i), *lse = a->lse + (b * a->q.h + i) * a->q.s + r;
+/* Rows [r0, r0 + R) of query head i in batch b. Each row first alone (scores, softmax), then
+   one sweep over the keys adds each key's terms to every row of the tile, so a row of V, dK
+   or dV is read once per tile rather than once per row. Every row still sums over its keys,
+   and every key over its rows, in ascending order. */
+typedef struct uly__tile {
+    const uly_attn_args *a;
+    const uly__scratch *s;
+    int64_t b, i, kh, r0, R; /* batch, query head, its kv head, first row, rows */
+    int64_t n[ULY__TILE];    /* keys each row sees */
+    int64_t keys;            /* keys any row sees */
+} uly__tile;
+
+static uly__tile uly__tile_at(const uly_attn_args *a, const uly__scratch *s, int64_t b,
+                              int64_t i, int64_t r0) {
+    uly__tile t;
+    t.a = a, t.s = s, t.b = b, t.i = i, t.kh = uly__kv_of(a, i), t.r0 = r0;
+    t.R = uly__min(ULY__TILE, a->q.s - r0);
+    t.keys = 0;
+    for (int64_t r = 0; r < t.R; r++) t.n[r] = uly__keys(a, r0 + r), t.keys = uly__max(t.keys, t.n[r]);
+    return t;
+}
+
+/* out[r][j] = x_r . column j of mt [D][sp] for the tile's rows x_r and j < n[r], each summed
+   over d in order: ULY__KEYS keys at a time in registers, for every row in turn while those
+   columns of mt are in cache. */
+static void uly__tile_dots(const uly__tile *t, uly_tensor x, const float *mt, float *out) {
+    const int64_t sp = t->s->sp;
+    for (int64_t j0 = 0; j0 < t->keys; j0 += ULY__KEYS)
+        for (int64_t r = 0; r < t->R; r++) {
+            const float *xr = uly__f32(x, t->b, t->r0 + r, t->i);
+            float acc[ULY__KEYS] = {0};
+            if (j0 >= t->n[r]) continue; /* causal: this row sees none of these keys */
+            for (int64_t d = 0; d < x.d; d++) {
+                const float xd = xr[d], *m = mt + d * sp + j0;
+                for (int u = 0; u < ULY__KEYS; u++) acc[u] += xd * m[u];
+            }
+            memcpy(out + r * sp + j0, acc, (size_t)uly__min(ULY__KEYS, t->n[r] - j0) * sizeof *acc);
+        }
+}
+
+static void uly__fwd_tile(const uly__tile *t) {
+    const uly_attn_args *a = t->a;
+    const int64_t D = a->q.d, sp = t->s->sp;
     const float scale = uly__scale(a);
-    float m = -INFINITY, l = 0;
-    for (int64_t d = 0; d < D; d++) o[d] = 0;
-    if (!n) { /* nothing to attend to */
-        *lse = INFINITY;
-        return;
+    float l[ULY__TILE];
+    uly__tile_dots(t, a->q, t->s->kt, t->s->p);
+    for (int64_t r = 0; r < t->R; r++) { /* p = exp(s - max), l = sum p, lse = max + log l */
+        float *p = t->s->p + r * sp, *o = uly__f32(a->o, t->b, t->r0 + r, t->i), m = -INFINITY;
+        float *lse = a->lse + (t->b * a->q.h + t->i) * a->q.s + t->r0 + r;
+        for (int64_t d = 0; d < D; d++) o[d] = 0;
+        l[r] = 0;
+        *lse = INFINITY; /* a row that sees no key */
+        if (!t->n[r]) continue;
+        for (int64_t j = 0; j < t->n[r]; j++) p[j] *= scale, m = fmaxf(m, p[j]);
+        for (int64_t j = 0; j < t->n[r]; j++) p[j] = expf(p[j] - m), l[r] += p[j];
+        *lse = m + logf(l[r]);
     }
-    uly__dots(q, kt, D, a->k.s, n, p);
-    for (int64_t j = 0; j < n; j++) p[j] *= scale, m = fmaxf(m, p[j]);
-    for (int64_t j = 0; j < n; j++) p[j] = expf(p[j] - m), l += p[j];
-    for (int64_t j = 0; j < n; j++) {
-        const float pj = p[j], *__restrict v = uly__f32(a->v, b, j, kh);
-        for (int64_t d = 0; d < D; d++) o[d] += pj * v[d];
+    for (int64_t j = 0; j < t->keys; j++) { /* o += p_j v_j */
+        const float *v = uly__f32(a->v, t->b, j, t->kh);
+        for (int64_t r = 0; r < t->R; r++)
+            if (j < t->n[r]) uly__axpy(D, t->s->p[r * sp + j], v, uly__f32(a->o, t->b, t->r0 + r, t->i));
     }
-    for (int64_t d = 0; d < D; d++) o[d] /= l;
-    *lse = m + logf(l);
+    for (int64_t r = 0; r < t->R; r++) {
+        float *o = uly__f32(a->o, t->b, t->r0 + r, t->i);
+        for (int64_t d = 0; t->n[r] && d < D; d++) o[d] /= l[r];
+    }
 }
 
-/* One row of the backward, from the saved lse: p_j = exp(s_j - lse), dp_j = dout . v_j,
-   ds_j = scale p_j (dp_j - Dsum) with Dsum = dout . o; dq = sum ds_j k_j, and this head's
-   share of dk_j += ds_j q and dv_j += p_j dout. */
-static void uly__bwd_row(const uly_attn_args *a, const float *kt, const float *vt, float *p,
-                         float *dp, float *hk, float *hv, int64_t b, int64_t i, int64_t r) {
-    const int64_t D = a->q.d, n = uly__keys(a, r), kh = uly__kv_of(a, i);
-    const float *q = uly__f32(a->q, b, r, i), *o = uly__f32(a->o, b, r, i);
-    const float *dout = uly__f32(a->dout, b, r, i), scale = uly__scale(a);
-    const float lse = a->lse[(b * a->q.h + i) * a->q.s + r];
-    float *__restrict dq = uly__f32(a->dq, b, r, i), dsum = 0;
-    for (int64_t d = 0; d < D; d++) dq[d] = 0, dsum += dout[d] * o[d];
-    if (!n) return; /* a row that saw no key has no gradient (and lse = +inf) */
-    uly__dots(q, kt, D, a->k.s, n, p);
-    uly__dots(dout, vt, D, a->k.s, n, dp);
-    for (int64_t j = 0; j < n; j++) {
-        const float pj = expf(p[j] * scale - lse), ds = scale * pj * (dp[j] - dsum);
-        const float *__restrict k = uly__f32(a->k, b, j, kh);
-        float *__restrict dk = hk + j * D, *__restrict dv = hv + j * D;
-        for (int64_t d = 0; d < D; d++) {
-            dq[d] += ds * k[d];
-            dk[d] += ds * q[d];
-            dv[d] += pj * dout[d];
+/* From the saved lse: p_j = exp(s_j - lse), dp_j = dout . v_j, ds_j = scale p_j (dp_j - Dsum)
+   with Dsum = dout . o; then dq = sum_j ds_j k_j, and this head's share of dk_j += ds_j q and
+   dv_j += p_j dout. A row that saw no key has no gradient (and lse = +inf). */
+static void uly__bwd_tile(const uly__tile *t) {
+    const uly_attn_args *a = t->a;
+    const int64_t D = a->q.d, sp = t->s->sp;
+    const float scale = uly__scale(a);
+    uly__tile_dots(t, a->q, t->s->kt, t->s->p);
+    uly__tile_dots(t, a->dout, t->s->vt, t->s->dp);
+    for (int64_t r = 0; r < t->R; r++) {
+        const int64_t row = t->r0 + r;
+        const float *o = uly__f32(a->o, t->b, row, t->i), *dout = uly__f32(a->dout, t->b, row, t->i);
+        const float lse = a->lse[(t->b * a->q.h + t->i) * a->q.s + row];
+        float *p = t->s->p + r * sp, *ds = t->s->dp + r * sp, *dq = uly__f32(a->dq, t->b, row, t->i);
+        float dsum = 0;
+        for (int64_t d = 0; d < D; d++) dq[d] = 0, dsum += dout[d] * o[d];
+        for (int64_t j = 0; j < t->n[r]; j++)
+            p[j] = expf(p[j] * scale - lse), ds[j] = scale * p[j] * (ds[j] - dsum);
+    }
+    for (int64_t j = 0; j < t->keys; j++) {
+        const float *k = uly__f32(a->k, t->b, j, t->kh);
+        for (int64_t r = 0; r < t->R; r++) {
+            const int64_t row = t->r0 + r;
+            const float ds = t->s->dp[r * sp + j];
+            if (j >= t->n[r]) continue;
+            uly__axpy(D, ds, k, uly__f32(a->dq, t->b, row, t->i));
+            uly__axpy(D, ds, uly__f32(a->q, t->b, row, t->i), t->s->hk + j * D);
+            uly__axpy(D, t->s->p[r * sp + j], uly__f32(a->dout, t->b, row, t->i), t->s->hv + j * D);
         }
     }
 }
 
 static uly_status uly__cpu_fwd(void *ctx, const uly_attn_args *a) {
+    uly__scratch s;
     (void)ctx;
     ULY__TRY(uly__cpu_check(a, 0));
-    float *kt = (float *)a->workspace, *p = kt + 6 * a->q.d * a->k.s;
+    uly__scratch_at(a, a->workspace, &s);
     for (int64_t b = 0; b < a->q.b; b++)
         for (int64_t kh = 0; kh < a->k.h; kh++) {
-            uly__transpose(kt, a->k, b, kh);
+            uly__transpose(s.kt, s.sp, a->k, b, kh);
             for (int64_t i = 0; i < a->q.h; i++) {
                 if (uly__kv_of(a, i) != kh) continue;
-                for (int64_t r = 0; r < a->q.s; r++) uly__fwd_row(a, kt, p, b, i, r);
+                for (int64_t r0 = 0; r0 < a->q.s; r0 += ULY__TILE) {
+                    uly__tile t = uly__tile_at(a, &s, b, i, r0);
+                    uly__fwd_tile(&t);
+                }
             }
         }
     return uly__ok();
@@ -1300,24 +1374,27 @@ static uly_status uly__cpu_fwd(void *ctx, const uly_attn_args *a) {
 /* dK and dV of a kv head are the sums over its query heads, in head order, of each head's
    share (summed over the rows in fp32). */
 static uly_status uly__cpu_bwd(void *ctx, const uly_attn_args *a) {
+    uly__scratch s;
     (void)ctx;
     ULY__TRY(uly__cpu_check(a, 1));
-    const int64_t D = a->q.d, Sk = a->k.s, n = D * Sk;
-    float *kt = (float *)a->workspace, *vt = kt + n, *gk = vt + n, *gv = gk + n, *hk = gv + n,
-          *hv = hk + n, *p = hv + n, *dp = p + Sk;
+    uly__scratch_at(a, a->workspace, &s);
+    const int64_t D = a->q.d, Sk = a->k.s;
+    uly_tensor group_k = uly_dense(s.gk, ULY_F32, 1, Sk, 1, D);
+    uly_tensor group_v = uly_dense(s.gv, ULY_F32, 1, Sk, 1, D);
     for (int64_t b = 0; b < a->q.b; b++)
         for (int64_t kh = 0; kh < a->k.h; kh++) {
-            uly_tensor group_k = uly_dense(gk, ULY_F32, 1, Sk, 1, D);
-            uly_tensor group_v = uly_dense(gv, ULY_F32, 1, Sk, 1, D);
-            uly__transpose(kt, a->k, b, kh);
-            uly__transpose(vt, a->v, b, kh);
-            memset(gk, 0, (size_t)(2 * n) * sizeof *gk); /* gk and gv */
+            uly__transpose(s.kt, s.sp, a->k, b, kh);
+            uly__transpose(s.vt, s.sp, a->v, b, kh);
+            memset(s.gk, 0, (size_t)(2 * D * Sk) * sizeof *s.gk); /* gk and gv */
             for (int64_t i = 0; i < a->q.h; i++) {
                 if (uly__kv_of(a, i) != kh) continue;
-                memset(hk, 0, (size_t)(2 * n) * sizeof *hk); /* hk and hv */
-                for (int64_t r = 0; r < a->q.s; r++) uly__bwd_row(a, kt, vt, p, dp, hk, hv, b, i, r);
-                uly__move(group_k, uly_dense(hk, ULY_F32, 1, Sk, 1, D), 1);
-                uly__move(group_v, uly_dense(hv, ULY_F32, 1, Sk, 1, D), 1);
+                memset(s.hk, 0, (size_t)(2 * D * Sk) * sizeof *s.hk); /* hk and hv */
+                for (int64_t r0 = 0; r0 < a->q.s; r0 += ULY__TILE) {
+                    uly__tile t = uly__tile_at(a, &s, b, i, r0);
+                    uly__bwd_tile(&t);
+                }
+                uly__move(group_k, uly_dense(s.hk, ULY_F32, 1, Sk, 1, D), 1);
+                uly__move(group_v, uly_dense(s.hv, ULY_F32, 1, Sk, 1, D), 1);
             }
             uly__move(uly__head_of(a->dk, b, kh), group_k, 0);
             uly__move(uly__head_of(a->dv, b, kh), group_v, 0);
