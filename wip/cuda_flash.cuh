@@ -1,1 +1,874 @@
-/* FlashAttention-compatible kernels: being written. */
+/* cuda_flash.cuh - FlashAttention-compatible attention on the GPU (section of ulysses_cuda.cuh).
+
+   uly_flash_attention() is a uly_attn (the contract of ulysses.h): bf16 and fp16, head dims 64
+   and 128, fp32 accumulation, causal (bottom-right) or not, GQA/MQA with groups split across SP
+   ranks (q_head0, kv_group), Sq != Sk, any lengths, strided q/k/v/o (last dim contiguous, rows
+   16-byte aligned), lse fp32 [B, H, Sq]. Fully masked rows give 0 and lse = +inf, never NaN.
+   uly_flash_varlen_* run packed documents (cu_seqlens). uly_cublaslt_attention() is the unfused
+   cuBLASLt path: the GPU-side second reference, and the fallback for any D <= 256, D % 8 == 0.
+
+   The kernels (sm_80 and newer: mma.sync m16n8k16, ldmatrix, cp.async) are built from a few tile
+   primitives, so each reads like its algorithm:
+       uly__tile_load / uly__tile_store    global <-> swizzled shared tile (cp.async, 16 B chunks)
+       uly__mma_ss / uly__mma_rs           a warp's C += A * B, A from shared memory or registers
+       uly__online_softmax                 FlashAttention's running max and sum, exp2 domain
+       uly__softmax_grad                   P = exp(s - lse), dS = P * (dP - Dsum)
+   Forward: a block owns BM query rows and streams the key blocks (last first, so only the first
+   iterations need the mask); the loads of K and V each overlap the other's GEMM. Backward:
+   a pre-pass computes Dsum = rowsum(dout * out) and clears the fp32 dQ accumulator; the main
+   kernel owns BN keys of one kv head, loops over the query blocks of every query head of its GQA
+   group (so dK and dV are summed in registers, in a fixed order) and adds dQ into the fp32
+   accumulator with atomics; a post-pass scales and converts dQ. Deterministic mode replaces the
+   atomics with a second kernel that owns BM query rows and recomputes P and dS to sum dQ over
+   the key blocks in order: bitwise-identical results, about 1.4x the backward's FLOPs.
+   Tile sizes live in one traits table per head dim (uly__fa_traits). */
+
+/* ---------------------------------------------------------------------------------------------
+   Declarations */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Packed variable-length documents (FlashAttention's varlen): the documents of a batch are
+   concatenated along the sequence. q and o are [1, total_q, H, D], k and v [1, total_k, Hkv, D]
+   (same rules as the dense contract), lse fp32 [H, total_q]. Document b owns query rows
+   [cu_seqlens_q[b], cu_seqlens_q[b+1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]);
+   attention, and the bottom-right causal mask, stay inside a document. */
+typedef struct uly_varlen {
+    const int32_t *cu_seqlens_q; /* device memory, [batch + 1], starting at 0, nondecreasing */
+    const int32_t *cu_seqlens_k; /* device memory, [batch + 1] */
+    int64_t batch;
+    int64_t max_seqlen_q;        /* the longest document's query and key counts (grid size) */
+    int64_t max_seqlen_k;
+} uly_varlen;
+
+/* The flash kernels as a uly_attn. ctx is unused. The backward's workspace holds Dsum and, unless
+   deterministic, the fp32 dQ accumulator; the forward needs none. */
+ULYDEF uly_attn uly_flash_attention(void);
+
+/* Varlen: args as for the dense calls, with q.b == k.b == 1 and the documents taken from v.
+   The workspace is the dense query's: uly_flash_attention().workspace(NULL, a). */
+ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v);
+ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v);
+
+#ifdef __cplusplus
+}
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+   Implementation */
+
+#ifdef ULYSSES_IMPLEMENTATION
+
+#include <stdarg.h>
+#include <stdio.h>
+
+/* Tile sizes per head dim, in one place. fwd: a block owns BM query rows (16*MT per warp) and
+   streams BN keys. bwd: a block owns BN keys (16*MT per warp) and streams BM query rows, BS of
+   them at a time through registers (D = 128 needs the room for dK and dV). dq (the deterministic
+   dQ kernel): a block owns BM query rows and streams BN keys. */
+template <int D> struct uly__fa_traits;
+template <> struct uly__fa_traits<64> {
+    struct fwd { enum { BM = 128, BN = 64, WARPS = 4 }; };
+    struct bwd { enum { BM = 64, BN = 128, BS = 64, WARPS = 8 }; };
+    struct dq { enum { BM = 64, BN = 128, WARPS = 4 }; };
+};
+template <> struct uly__fa_traits<128> {
+    struct fwd { enum { BM = 128, BN = 64, WARPS = 4 }; };
+    struct bwd { enum { BM = 64, BN = 128, BS = 32, WARPS = 8 }; };
+    struct dq { enum { BM = 64, BN = 64, WARPS = 4 }; };
+};
+
+/* Everything a kernel needs, by value in its parameters. Tensors are uly_tensor views; for
+   varlen, b is 0 and rows are offset by cu_seqlens. lse, Dsum and the dQ accumulator of query
+   row i of head h in batch b sit at b * lse_sb + h * lse_sh + i (times D for dQ). */
+struct uly__fa_params {
+    uly_tensor q, k, v, o, dout, dq, dk, dv;
+    float *lse;
+    float *dsum, *dq_acc;         /* backward workspace */
+    int64_t lse_sb, lse_sh;
+    const int32_t *cu_q, *cu_k;   /* varlen, or NULL */
+    int sq, sk;                   /* dense lengths */
+    int64_t q_head0, kv_group;
+    float scale, scale_log2;      /* softmax_scale and softmax_scale * log2(e) */
+    int causal;
+};
+
+/* One sequence of the batch: tensor batch index, first query and key row, lengths. */
+struct uly__fa_seq {
+    int64_t b, q0, k0;
+    int sq, sk;
+};
+
+__device__ __forceinline__ uly__fa_seq uly__fa_seq_of(const uly__fa_params &p, int b) {
+    if (!p.cu_q) return {b, 0, 0, p.sq, p.sk};
+    const int q0 = p.cu_q[b], k0 = p.cu_k[b];
+    return {0, q0, k0, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0};
+}
+
+template <typename T>
+__device__ __forceinline__ T *uly__fa_row(const uly_tensor &t, int64_t b, int64_t s, int64_t h) {
+    return (T *)t.data + b * t.sb + s * t.ss + h * t.sh;
+}
+
+__device__ __forceinline__ int64_t uly__fa_lse_index(const uly__fa_params &p, const uly__fa_seq &s,
+                                                     int64_t h, int row) {
+    return s.b * p.lse_sb + h * p.lse_sh + s.q0 + row;
+}
+
+/* The local kv head of local query head h: (q_head0 + h) / g - q_head0 / g. */
+__device__ __forceinline__ int64_t uly__fa_kv_head(const uly__fa_params &p, int64_t h) {
+    return (p.q_head0 + h) / p.kv_group - p.q_head0 / p.kv_group;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Tile primitives. A shared tile holds R rows of W 16-bit elements, row-major, with its 16-byte
+   chunks XOR-swizzled by row (chunk c of row r is stored at c ^ (r % 8)): the 8 row addresses of
+   one ldmatrix matrix, and the chunks one cp.async round writes, fall in distinct banks. */
+
+template <int W> __device__ __forceinline__ uint32_t uly__swz(int r, int c) {
+    static_assert(W % 64 == 0, "tile rows are whole 128-byte lines");
+    return (uint32_t)(r * W * 2 + ((c ^ (r & 7)) << 4));
+}
+
+/* The chunks a thread moves between a tile and global memory: rounds of NT threads cover
+   NT / CH whole rows (a multiple of 8, so the swizzle of a thread's chunk is the same in every
+   round), and a thread keeps one chunk column. */
+template <int R, int W, int NT> struct uly__tile_split {
+    enum { CH = W / 8, ROWS = NT / CH, ROUNDS = R / ROWS };
+    static_assert(NT % CH == 0 && ROWS % 8 == 0 && R % ROWS == 0, "whole swizzle periods");
+};
+
+/* cp.async rows g, g + stride, ... into the tile at s; rows at or past `valid` (>= 1) read
+   nothing and are zero-filled. The block's NT threads share the work. */
+template <int R, int W, int NT, typename T>
+__device__ __forceinline__ void uly__tile_load(uint32_t s, const T *g, int64_t stride, int valid) {
+    using S = uly__tile_split<R, W, NT>;
+    const int r = (int)threadIdx.x / S::CH, c = (int)threadIdx.x % S::CH;
+    const T *src = g + r * stride + c * 8;
+    s += uly__swz<W>(r, c);
+#pragma unroll
+    for (int i = 0; i < S::ROUNDS; i++, src += S::ROWS * stride) {
+        const bool ok = r + i * S::ROWS < valid;
+        uly_cp_async<16>(s + i * S::ROWS * W * 2, ok ? src : g, ok ? 16 : 0);
+    }
+}
+
+/* The tile at s to global rows g, g + stride, ..., the first `valid` of them. */
+template <int R, int W, int NT, typename T>
+__device__ __forceinline__ void uly__tile_store(T *g, int64_t stride, int valid,
+                                                const unsigned char *s) {
+    using S = uly__tile_split<R, W, NT>;
+    const int r = (int)threadIdx.x / S::CH, c = (int)threadIdx.x % S::CH;
+    T *dst = g + r * stride + c * 8;
+    s += uly__swz<W>(r, c);
+#pragma unroll
+    for (int i = 0; i < S::ROUNDS; i++, dst += S::ROWS * stride)
+        if (r + i * S::ROWS < valid) *(uint4 *)dst = *(const uint4 *)(s + i * S::ROWS * W * 2);
+}
+
+template <typename T> __device__ __forceinline__ uint32_t uly__pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t uly__pack2<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+template <> __device__ __forceinline__ uint32_t uly__pack2<__half>(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+/* The mma.sync m16n8k16 fragments of a warp (lane = 4 * g + t): C element i of an m16n8 tile is
+   row g + 8 * (i / 2), column 2 * t + i % 2. acc[MT][NT][4] is a warp's 16*MT x 8*NT block. */
+__device__ __forceinline__ int uly__frag_row(int i) { return (int)(uly_lane_id() >> 2) + 8 * (i >> 1); }
+__device__ __forceinline__ int uly__frag_col(int i) { return 2 * (int)(uly_lane_id() & 3) + (i & 1); }
+
+/* Writes the warp's fragments as T to the W-wide tile at s, the block at rows r0, columns c0. */
+template <typename T, int W, int MT, int NT>
+__device__ __forceinline__ void uly__frag_store(unsigned char *s, int r0, int c0,
+                                                const float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i += 2) {
+                const int r = r0 + 16 * mt + uly__frag_row(i), c = c0 + 8 * nt + uly__frag_col(i);
+                *(uint32_t *)(s + uly__swz<W>(r, c >> 3) + (c & 7) * 2) =
+                    uly__pack2<T>(acc[mt][nt][i], acc[mt][nt][i + 1]);
+            }
+}
+
+/* ldmatrix.x4 of the 16 x 16 block at (r0, c0) of a W-wide tile. ROWS_FIRST orders the four
+   8 x 8 matrices (r0, c0), (r0 + 8, c0), (r0, c0 + 8), (r0 + 8, c0 + 8); else columns first. */
+template <int W, bool TRANS, bool ROWS_FIRST>
+__device__ __forceinline__ void uly__ldsm(uint32_t f[4], uint32_t s, int r0, int c0) {
+    const int l = (int)uly_lane_id();
+    const int r = ROWS_FIRST ? (l & 15) : (l & 7) + ((l >> 4) << 3);
+    const int c = ROWS_FIRST ? (l >> 4) : ((l >> 3) & 1);
+    uly_ldmatrix<4, TRANS>(f, s + uly__swz<W>(r0 + r, (c0 >> 3) + c));
+}
+
+/* The A fragment (rows m0.., k k0..k0+15) of a tile stored [m][k], or [k][m] if A_T. */
+template <int W, bool A_T>
+__device__ __forceinline__ void uly__frag_a(uint32_t f[4], uint32_t s, int m0, int k0) {
+    if (A_T) uly__ldsm<W, true, false>(f, s, k0, m0);
+    else uly__ldsm<W, false, true>(f, s, m0, k0);
+}
+
+/* The B fragments of n-tiles n0 (f[0..1]) and n0 + 8 (f[2..3]), k k0..k0+15, of a tile stored
+   [n][k], or [k][n] if B_T. */
+template <int W, bool B_T>
+__device__ __forceinline__ void uly__frag_b(uint32_t f[4], uint32_t s, int n0, int k0) {
+    if (B_T) uly__ldsm<W, true, true>(f, s, k0, n0);
+    else uly__ldsm<W, false, false>(f, s, n0, k0);
+}
+
+/* acc += A * B over k in [0, K): A's rows m0.. from the WA-wide tile sa, B's columns n0.. from
+   the WB-wide tile sb. */
+template <typename T, int MT, int NT, int K, int WA, bool A_T, int WB, bool B_T>
+__device__ __forceinline__ void uly__mma_ss(float (&acc)[MT][NT][4], uint32_t sa, int m0, uint32_t sb,
+                                            int n0) {
+    static_assert(NT % 2 == 0 && K % 16 == 0, "whole ldmatrix.x4 blocks");
+#pragma unroll
+    for (int k = 0; k < K; k += 16) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) uly__frag_a<WA, A_T>(a[mt], sa, m0 + 16 * mt, k);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+            uint32_t b[4];
+            uly__frag_b<WB, B_T>(b, sb, n0 + 8 * nt, k);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                uly_mma_m16n8k16<T>(acc[mt][nt], a[mt], b, acc[mt][nt]);
+                uly_mma_m16n8k16<T>(acc[mt][nt + 1], a[mt], b + 2, acc[mt][nt + 1]);
+            }
+        }
+    }
+}
+
+/* A warp's fp32 C fragments (16*MT x 8*NT) rounded to T as A fragments: the C fragments of
+   n-tiles 2j and 2j + 1 are exactly the A fragment of k-step j. */
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void uly__frag_to_a(uint32_t (&a)[MT][NT / 2][4],
+                                               const float (&c)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < NT / 2; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                a[mt][j][i] = uly__pack2<T>(c[mt][2 * j + i / 2][i % 2 * 2],
+                                            c[mt][2 * j + i / 2][i % 2 * 2 + 1]);
+}
+
+/* acc += A * B over K values of k, A in registers (from uly__frag_to_a), B's rows k0.. and
+   columns n0.. from a WB-wide tile stored [k][n]. */
+template <typename T, int MT, int NT, int K, int WB>
+__device__ __forceinline__ void uly__mma_rs(float (&acc)[MT][NT][4],
+                                            const uint32_t (&a)[MT][K / 16][4], uint32_t sb,
+                                            int n0, int k0) {
+    static_assert(NT % 2 == 0 && K % 16 == 0, "whole ldmatrix.x4 blocks");
+#pragma unroll
+    for (int j = 0; j < K / 16; j++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+            uint32_t b[4];
+            uly__frag_b<WB, true>(b, sb, n0 + 8 * nt, k0 + 16 * j);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                uly_mma_m16n8k16<T>(acc[mt][nt], a[mt][j], b, acc[mt][nt]);
+                uly_mma_m16n8k16<T>(acc[mt][nt + 1], a[mt][j], b + 2, acc[mt][nt + 1]);
+            }
+        }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void uly__frag_zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mt][nt][i] = 0.f;
+}
+
+/* Sets to -inf the elements whose (row, column) `masked` rejects; r0, c0 are the positions of
+   the warp's block. */
+template <int MT, int NT, typename Pred>
+__device__ __forceinline__ void uly__mask(float (&s)[MT][NT][4], int r0, int c0, Pred masked) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (masked(r0 + 16 * mt + uly__frag_row(i), c0 + 8 * nt + uly__frag_col(i)))
+                    s[mt][nt][i] = -INFINITY;
+}
+
+/* The four lanes of a quad hold one row's columns. */
+__device__ __forceinline__ float uly__quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float uly__quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+/* FlashAttention's online softmax over the 2*MT rows this thread holds (row h of m-tile mt is
+   C elements 2h, 2h + 1): running max m of the raw logits, running sum l of this lane's columns
+   (the quad's partial sums are added once, in finish). */
+template <int MT> struct uly__online_softmax {
+    float m[MT][2], l[MT][2];
+
+    __device__ __forceinline__ uly__online_softmax() {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) m[mt][h] = -INFINITY, l[mt][h] = 0.f;
+    }
+
+    /* s (a key block's logits, masked ones -inf) becomes P = exp(scale * (s - m)); o, the output
+       so far, is rescaled by exp(scale * (m_old - m_new)). */
+    template <int NS, int NO>
+    __device__ __forceinline__ void update(float (&s)[MT][NS][4], float (&o)[MT][NO][4], float scale_log2) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float mx = m[mt][h];
+#pragma unroll
+                for (int nt = 0; nt < NS; nt++)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                mx = uly__quad_max(mx);
+                /* A row with no key so far keeps m = -inf: subtract 0 so exp2 gives 0, not NaN. */
+                const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
+                const float corr = exp2f(m[mt][h] * scale_log2 - base);
+                m[mt][h] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NS; nt++)
+#pragma unroll
+                    for (int i = 2 * h; i < 2 * h + 2; i++) {
+                        s[mt][nt][i] = exp2f(fmaf(s[mt][nt][i], scale_log2, -base));
+                        sum += s[mt][nt][i];
+                    }
+                l[mt][h] = l[mt][h] * corr + sum;
+#pragma unroll
+                for (int nt = 0; nt < NO; nt++) o[mt][nt][2 * h] *= corr, o[mt][nt][2 * h + 1] *= corr;
+            }
+    }
+
+    /* o /= l; lse = scale * m + log(l), or o = 0 and lse = +inf for a row with no key. */
+    template <int NO>
+    __device__ __forceinline__ void finish(float (&o)[MT][NO][4], float scale, float (&lse)[MT][2]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float l_row = uly__quad_sum(l[mt][h]);
+                const float inv = l_row > 0.f ? 1.f / l_row : 0.f;
+                lse[mt][h] = l_row > 0.f ? m[mt][h] * scale + logf(l_row) : INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < NO; nt++) o[mt][nt][2 * h] *= inv, o[mt][nt][2 * h + 1] *= inv;
+            }
+    }
+};
+
+/* The softmax backward, in place: s (logits) becomes P = exp(scale * s - lse) and dp becomes
+   dS = P * (dP - Dsum). query(mt, nt, i) gives the (lse * log2(e), Dsum) of element i's query;
+   lse = +inf (a fully masked row, or a row past the end) gives P = 0 and dS = 0. */
+template <int MT, int NT, typename Query>
+__device__ __forceinline__ void uly__softmax_grad(float (&s)[MT][NT][4], float (&dp)[MT][NT][4],
+                                                  float scale_log2, Query query) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float2 q = query(mt, nt, i);
+                const float p = exp2f(fmaf(s[mt][nt][i], scale_log2, -q.x));
+                s[mt][nt][i] = p;
+                dp[mt][nt][i] = p * (dp[mt][nt][i] - q.y);
+            }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void uly__frag_scale(float (&acc)[MT][NT][4], float x) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mt][nt][i] *= x;
+}
+
+#define ULY__LOG2E 1.4426950408889634f
+
+/* ---------------------------------------------------------------------------------------------
+   Kernels */
+
+/* Forward. Grid (query blocks, H, B). */
+template <typename T, int D>
+__global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
+    uly__flash_fwd(const uly__fa_params p) {
+    using C = typename uly__fa_traits<D>::fwd;
+    constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int m0 = (int)blockIdx.x * BM;
+    if (m0 >= s.sq) return;
+    const int64_t h = blockIdx.y, hk = uly__fa_kv_head(p, h);
+    const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
+
+    ULY_DYN_SMEM(unsigned char, smem); /* Q [BM][D], K [BN][D], V [BN][D] */
+    const uint32_t sQ = uly_smem_addr(smem), sK = sQ + BM * D * 2, sV = sK + BN * D * 2;
+    const int wm = (int)(threadIdx.x / 32) * 16 * MT; /* this warp's first row */
+    const int diag = s.sk - s.sq;                      /* row i keeps keys j <= i + diag */
+    const int n_end = p.causal ? min(s.sk, m0 + BM + diag) : s.sk;
+    const int n_blocks = n_end > 0 ? (n_end + BN - 1) / BN : 0;
+
+    uly__tile_load<BM, D, NT>(sQ, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
+    if (n_blocks > 0) {
+        const int n0 = (n_blocks - 1) * BN;
+        uly__tile_load<BN, D, NT>(sK, k + n0 * p.k.ss, p.k.ss, s.sk - n0);
+    }
+    uly_cp_async_commit();
+
+    float o[MT][D / 8][4];
+    uly__frag_zero(o);
+    uly__online_softmax<MT> softmax;
+    for (int j = n_blocks - 1; j >= 0; j--) {
+        const int n0 = j * BN;
+        uly_cp_async_wait_all();
+        __syncthreads(); /* K[j] is in; every warp is done with V[j + 1] */
+        uly__tile_load<BN, D, NT>(sV, v + n0 * p.v.ss, p.v.ss, s.sk - n0);
+        uly_cp_async_commit();
+
+        float sc[MT][BN / 8][4];
+        uly__frag_zero(sc);
+        uly__mma_ss<T, MT, BN / 8, D, D, false, D, false>(sc, sQ, wm, sK, 0);
+        if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
+            uly__mask(sc, m0 + wm, n0,
+                      [&](int r, int c) { return c >= s.sk || (p.causal && c > r + diag); });
+        softmax.update(sc, o, p.scale_log2);
+
+        uly_cp_async_wait_all();
+        __syncthreads(); /* V[j] is in; every warp is done with K[j] */
+        if (j > 0) uly__tile_load<BN, D, NT>(sK, k + (n0 - BN) * p.k.ss, p.k.ss, s.sk - n0 + BN);
+        uly_cp_async_commit();
+        uint32_t pa[MT][BN / 16][4];
+        uly__frag_to_a<T>(pa, sc);
+        uly__mma_rs<T, MT, D / 8, BN, D>(o, pa, sV, 0, 0);
+    }
+
+    float lse[MT][2];
+    softmax.finish(o, p.scale, lse);
+    if ((uly_lane_id() & 3) == 0)
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int r = wm + 16 * mt + uly__frag_row(2 * hf);
+                if (m0 + r < s.sq) p.lse[uly__fa_lse_index(p, s, h, m0 + r)] = lse[mt][hf];
+            }
+    uly_cp_async_wait_all();
+    __syncthreads(); /* every warp is done with Q: stage O there */
+    uly__frag_store<T, D>(smem, wm, 0, o);
+    __syncthreads();
+    uly__tile_store<BM, D, NT>(uly__fa_row<T>(p.o, s.b, s.q0 + m0, h), p.o.ss, s.sq - m0, smem);
+}
+
+/* Backward pre-pass: Dsum = rowsum(dout * out) in fp32, one warp per query row, and the row's
+   dQ accumulator cleared (when there is one). Grid (query rows / 4, H, B), 128 threads. */
+template <typename T>
+__global__ void __launch_bounds__(128) uly__flash_bwd_pre(const uly__fa_params p) {
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int row = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
+    if (row >= s.sq) return;
+    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_lse_index(p, s, h, row);
+    const T *o = uly__fa_row<T>(p.o, s.b, s.q0 + row, h);
+    const T *dout = uly__fa_row<T>(p.dout, s.b, s.q0 + row, h);
+    float acc = 0.f;
+    for (int64_t c = lane; c < d; c += 32) acc += (float)o[c] * (float)dout[c];
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) p.dsum[i] = acc;
+    if (p.dq_acc)
+        for (int64_t c = lane; c < d; c += 32) p.dq_acc[i * d + c] = 0.f;
+}
+
+/* Backward post-pass: dq = scale * dQ accumulator, in T. Grid (query rows / 4, H, B). */
+template <typename T>
+__global__ void __launch_bounds__(128) uly__flash_bwd_post(const uly__fa_params p) {
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int row = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
+    if (row >= s.sq) return;
+    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_lse_index(p, s, h, row);
+    T *dq = uly__fa_row<T>(p.dq, s.b, s.q0 + row, h);
+    for (int64_t c = lane; c < d; c += 32) dq[c] = (T)(p.dq_acc[i * d + c] * p.scale);
+}
+
+/* Backward main kernel: a block owns BN keys of one kv head; grid (key blocks, Hkv, B). For each
+   query head of the kv head's group and each query block that sees these keys, with the keys as
+   the rows of every product (so dK and dV stay in registers):
+       S^T = K Q^T, dP^T = V dO^T, P^T and dS^T from lse and Dsum,
+       dV += P^T dO, dK += dS^T Q, and (DQ_ATOMIC) dQ += dS K into the fp32 accumulator. */
+template <typename T, int D, bool DQ_ATOMIC>
+__global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
+    uly__flash_bwd_kv(const uly__fa_params p) {
+    using C = typename uly__fa_traits<D>::bwd;
+    constexpr int BM = C::BM, BN = C::BN, BS = C::BS, NT = C::WARPS * 32;
+    constexpr int MT = BN / (16 * C::WARPS);
+    constexpr int QWM = BM / 16, QWN = C::WARPS / QWM, QN = D / QWN; /* dQ: warps over (m, d) */
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int n0 = (int)blockIdx.x * BN;
+    if (n0 >= s.sk) return;
+    const int64_t hk = blockIdx.y, g = p.kv_group, g0 = p.q_head0 / g;
+    const int64_t h_begin = max((int64_t)0, (hk + g0) * g - p.q_head0);
+    const int64_t h_end = min(p.q.h, (hk + g0 + 1) * g - p.q_head0);
+    const int diag = s.sk - s.sq;
+    const int m_begin = p.causal ? max(0, n0 - diag) / BM * BM : 0; /* first row seeing key n0 */
+    const int m_blocks = s.sq > m_begin ? (s.sq - m_begin + BM - 1) / BM : 0;
+    const int iters = (int)(h_end - h_begin) * m_blocks;
+
+    ULY_DYN_SMEM(unsigned char, smem); /* K, V [BN][D]; 2 x (Q, dO [BM][D]); dS^T [BN][BM];
+                                          2 x (lse * log2(e), Dsum [BM]) */
+    const uint32_t sK = uly_smem_addr(smem), sV = sK + BN * D * 2;
+    const uint32_t sQ0 = sV + BN * D * 2, sdO0 = sQ0 + 2 * BM * D * 2, sdS = sdO0 + 2 * BM * D * 2;
+    unsigned char *dS_tile = smem + (sdS - sK);
+    float *rows = (float *)(dS_tile + (DQ_ATOMIC ? BN * BM * 2 : 0)); /* [2][2][BM] */
+    const int warp = (int)(threadIdx.x / 32), wn = warp * 16 * MT;
+
+    auto load_queries = [&](int it, int stage) {
+        const int64_t h = h_begin + it / m_blocks;
+        const int m0 = m_begin + it % m_blocks * BM;
+        uly__tile_load<BM, D, NT>(sQ0 + stage * BM * D * 2, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h),
+                                  p.q.ss, s.sq - m0);
+        uly__tile_load<BM, D, NT>(sdO0 + stage * BM * D * 2,
+                                  uly__fa_row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss, s.sq - m0);
+        for (int r = (int)threadIdx.x; r < BM; r += NT) {
+            const bool ok = m0 + r < s.sq;
+            const int64_t i = uly__fa_lse_index(p, s, h, m0 + r);
+            rows[stage * 2 * BM + r] = ok ? p.lse[i] * ULY__LOG2E : INFINITY;
+            rows[stage * 2 * BM + BM + r] = ok ? p.dsum[i] : 0.f;
+        }
+    };
+
+    uly__tile_load<BN, D, NT>(sK, uly__fa_row<T>(p.k, s.b, s.k0 + n0, hk), p.k.ss, s.sk - n0);
+    uly__tile_load<BN, D, NT>(sV, uly__fa_row<T>(p.v, s.b, s.k0 + n0, hk), p.v.ss, s.sk - n0);
+    if (iters > 0) load_queries(0, 0);
+    uly_cp_async_commit();
+
+    float dk[MT][D / 8][4], dv[MT][D / 8][4];
+    uly__frag_zero(dk);
+    uly__frag_zero(dv);
+    for (int it = 0; it < iters; it++) {
+        const int stage = it & 1, m0 = m_begin + it % m_blocks * BM;
+        const int64_t h = h_begin + it / m_blocks;
+        const uint32_t sQ = sQ0 + stage * BM * D * 2, sdO = sdO0 + stage * BM * D * 2;
+        const float *lse2 = rows + stage * 2 * BM, *dsum = lse2 + BM;
+        uly_cp_async_wait_all();
+        __syncthreads(); /* this stage is in; every warp is done with the other one and dS */
+        if (it + 1 < iters) load_queries(it + 1, stage ^ 1);
+        uly_cp_async_commit();
+
+#pragma unroll 1
+        for (int c0 = 0; c0 < BM; c0 += BS) { /* BS query columns at a time, in registers */
+            float sc[MT][BS / 8][4], dp[MT][BS / 8][4];
+            uly__frag_zero(sc);
+            uly__frag_zero(dp);
+            uly__mma_ss<T, MT, BS / 8, D, D, false, D, false>(sc, sK, wn, sQ, c0);
+            uly__mma_ss<T, MT, BS / 8, D, D, false, D, false>(dp, sV, wn, sdO, c0);
+            if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
+                uly__mask(sc, n0 + wn, m0 + c0,
+                          [&](int n, int m) { return n >= s.sk || (p.causal && n > m + diag); });
+            uly__softmax_grad(sc, dp, p.scale_log2, [&](int, int nt, int i) {
+                const int c = c0 + 8 * nt + uly__frag_col(i);
+                return make_float2(lse2[c], dsum[c]);
+            });
+            if (DQ_ATOMIC) uly__frag_store<T, BM>(dS_tile, wn, c0, dp);
+            uint32_t pa[MT][BS / 16][4], dsa[MT][BS / 16][4];
+            uly__frag_to_a<T>(pa, sc);
+            uly__frag_to_a<T>(dsa, dp);
+            uly__mma_rs<T, MT, D / 8, BS, D>(dv, pa, sdO, 0, c0);
+            uly__mma_rs<T, MT, D / 8, BS, D>(dk, dsa, sQ, 0, c0);
+        }
+
+        if constexpr (DQ_ATOMIC) {
+            __syncthreads(); /* dS^T is complete */
+            const int qm = warp % QWM * 16, r = m0 + qm;
+#pragma unroll 1
+            for (int d0 = warp / QWM * QN; d0 < (warp / QWM + 1) * QN; d0 += 32) {
+                float dq[1][4][4]; /* 16 rows x 32 columns at a time */
+                uly__frag_zero(dq);
+                uly__mma_ss<T, 1, 4, BN, BM, true, D, true>(dq, sdS, qm, sK, d0);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    if (r + uly__frag_row(i) >= s.sq) continue;
+                    float *acc = p.dq_acc + uly__fa_lse_index(p, s, h, r + uly__frag_row(i)) * D;
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+                        atomicAdd(acc + d0 + 8 * nt + uly__frag_col(i), dq[0][nt][i]);
+                }
+            }
+        }
+    }
+
+    uly__frag_scale(dk, p.scale);
+    uly_cp_async_wait_all();
+    __syncthreads(); /* every warp is done with K and V: stage dK and dV there */
+    uly__frag_store<T, D>(smem, wn, 0, dk);
+    uly__frag_store<T, D>(smem + BN * D * 2, wn, 0, dv);
+    __syncthreads();
+    uly__tile_store<BN, D, NT>(uly__fa_row<T>(p.dk, s.b, s.k0 + n0, hk), p.dk.ss, s.sk - n0, smem);
+    uly__tile_store<BN, D, NT>(uly__fa_row<T>(p.dv, s.b, s.k0 + n0, hk), p.dv.ss, s.sk - n0,
+                               smem + BN * D * 2);
+}
+
+/* Deterministic dQ: a block owns BM query rows; grid (query blocks, H, B). Over the key blocks
+   in order: S = Q K^T, dP = dO V^T, P and dS, dQ += dS K, in registers; dq = scale * dQ. */
+template <typename T, int D>
+__global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
+    uly__flash_bwd_q(const uly__fa_params p) {
+    using C = typename uly__fa_traits<D>::dq;
+    constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int m0 = (int)blockIdx.x * BM;
+    if (m0 >= s.sq) return;
+    const int64_t h = blockIdx.y, hk = uly__fa_kv_head(p, h);
+    const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
+
+    ULY_DYN_SMEM(unsigned char, smem); /* Q, dO [BM][D]; 2 x (K, V [BN][D]) */
+    const uint32_t sQ = uly_smem_addr(smem), sdO = sQ + BM * D * 2, sK0 = sdO + BM * D * 2;
+    const uint32_t sV0 = sK0 + 2 * BN * D * 2;
+    const int wm = (int)(threadIdx.x / 32) * 16 * MT;
+    const int diag = s.sk - s.sq;
+    const int n_end = p.causal ? min(s.sk, m0 + BM + diag) : s.sk;
+    const int n_blocks = n_end > 0 ? (n_end + BN - 1) / BN : 0;
+
+    float lse2[MT][2], dsum[MT][2]; /* of this thread's rows */
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int r = m0 + wm + 16 * mt + uly__frag_row(2 * hf);
+            const int64_t i = uly__fa_lse_index(p, s, h, r);
+            lse2[mt][hf] = r < s.sq ? p.lse[i] * ULY__LOG2E : INFINITY;
+            dsum[mt][hf] = r < s.sq ? p.dsum[i] : 0.f;
+        }
+
+    auto load_keys = [&](int j, int stage) {
+        const int n0 = j * BN;
+        uly__tile_load<BN, D, NT>(sK0 + stage * BN * D * 2, k + n0 * p.k.ss, p.k.ss, s.sk - n0);
+        uly__tile_load<BN, D, NT>(sV0 + stage * BN * D * 2, v + n0 * p.v.ss, p.v.ss, s.sk - n0);
+    };
+    uly__tile_load<BM, D, NT>(sQ, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
+    uly__tile_load<BM, D, NT>(sdO, uly__fa_row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss, s.sq - m0);
+    if (n_blocks > 0) load_keys(0, 0);
+    uly_cp_async_commit();
+
+    float dq[MT][D / 8][4];
+    uly__frag_zero(dq);
+    for (int j = 0; j < n_blocks; j++) {
+        const int stage = j & 1, n0 = j * BN;
+        const uint32_t sK = sK0 + stage * BN * D * 2, sV = sV0 + stage * BN * D * 2;
+        uly_cp_async_wait_all();
+        __syncthreads(); /* this stage is in; every warp is done with the other one */
+        if (j + 1 < n_blocks) load_keys(j + 1, stage ^ 1);
+        uly_cp_async_commit();
+
+        float sc[MT][BN / 8][4], dp[MT][BN / 8][4];
+        uly__frag_zero(sc);
+        uly__frag_zero(dp);
+        uly__mma_ss<T, MT, BN / 8, D, D, false, D, false>(sc, sQ, wm, sK, 0);
+        uly__mma_ss<T, MT, BN / 8, D, D, false, D, false>(dp, sdO, wm, sV, 0);
+        if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
+            uly__mask(sc, m0 + wm, n0,
+                      [&](int r, int c) { return c >= s.sk || (p.causal && c > r + diag); });
+        uly__softmax_grad(sc, dp, p.scale_log2, [&](int mt, int, int i) {
+            return make_float2(lse2[mt][i >> 1], dsum[mt][i >> 1]);
+        });
+        uint32_t dsa[MT][BN / 16][4];
+        uly__frag_to_a<T>(dsa, dp);
+        uly__mma_rs<T, MT, D / 8, BN, D>(dq, dsa, sK, 0, 0);
+    }
+
+    uly__frag_scale(dq, p.scale);
+    uly_cp_async_wait_all();
+    __syncthreads(); /* every warp is done with Q: stage dQ there */
+    uly__frag_store<T, D>(smem, wm, 0, dq);
+    __syncthreads();
+    uly__tile_store<BM, D, NT>(uly__fa_row<T>(p.dq, s.b, s.q0 + m0, h), p.dq.ss, s.sq - m0, smem);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Launchers */
+
+static int64_t uly__fa_align(int64_t n) { return (n + 255) & ~(int64_t)255; }
+
+/* Dsum (fp32, one per query row and head), then the fp32 dQ accumulator unless deterministic.
+   A varlen batch is one sequence of total_q rows, so the same count serves both. */
+static int64_t uly__fa_workspace(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    const int64_t rows = a->q.b * a->q.h * a->q.s;
+    return uly__fa_align(rows * 4) + (a->deterministic ? 0 : uly__fa_align(rows * a->q.d * 4));
+}
+
+/* The rules the kernels add to the contract: dtype, head dim, 16-byte rows, int32 positions. */
+static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, int backward,
+                                uly__fa_params *p) {
+    ULY__TRY(uly_attn_check(a, backward));
+    ULY__CHECK(a->q.dtype == ULY_BF16 || a->q.dtype == ULY_F16, ULY_EUNSUPPORTED,
+               "dtype %s: the flash kernels take bf16 or fp16", uly__dtype_name(a->q.dtype));
+    ULY__CHECK(a->q.d == 64 || a->q.d == 128, ULY_EUNSUPPORTED,
+               "q.d (%lld): the flash kernels take head dims 64 and 128 (uly_cublaslt_attention "
+               "takes any D <= 256, D %% 8 == 0)", ULY__LL(a->q.d));
+    const uly_tensor *ts[8] = {&a->q, &a->k, &a->v, &a->o, &a->dout, &a->dq, &a->dk, &a->dv};
+    const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
+    for (int i = 0; i < (backward ? 8 : 4); i++)
+        ULY__CHECK((uintptr_t)ts[i]->data % 16 == 0 && ts[i]->sb % 8 == 0 && ts[i]->ss % 8 == 0 &&
+                       ts[i]->sh % 8 == 0, ULY_EUNSUPPORTED,
+                   "%s: the flash kernels move 16-byte chunks: the address must be 16-byte "
+                   "aligned and the strides multiples of 8 elements", names[i]);
+    ULY__CHECK(a->q.s < INT32_MAX && a->k.s < INT32_MAX, ULY_EOVERFLOW,
+               "q.s (%lld), k.s (%lld): sequence positions must fit in int32", ULY__LL(a->q.s),
+               ULY__LL(a->k.s));
+    ULY__CHECK(a->softmax_scale >= 0, ULY_EUNSUPPORTED,
+               "softmax_scale (%g): the flash kernels take a positive scale",
+               (double)a->softmax_scale);
+    ULY__CHECK(!backward || a->workspace, ULY_EINVAL,
+               "workspace is NULL (workspace() gives its bytes)");
+    ULY__CHECK(!vl || (a->q.b == 1 && vl->batch >= 1 && vl->cu_seqlens_q && vl->cu_seqlens_k &&
+                       vl->max_seqlen_q >= 0 && vl->max_seqlen_q <= a->q.s &&
+                       vl->max_seqlen_k >= 0 && vl->max_seqlen_k <= a->k.s && vl->batch < 65536),
+               ULY_EINVAL,
+               "varlen: q.b must be 1, batch in [1, 65535], cu_seqlens_q/k set, max_seqlen_q/k "
+               "within q.s/k.s");
+    memset(p, 0, sizeof *p);
+    p->q = a->q, p->k = a->k, p->v = a->v, p->o = a->o;
+    if (backward) p->dout = a->dout, p->dq = a->dq, p->dk = a->dk, p->dv = a->dv;
+    p->lse = a->lse;
+    p->lse_sb = a->q.h * a->q.s;
+    p->lse_sh = a->q.s;
+    p->cu_q = vl ? vl->cu_seqlens_q : NULL;
+    p->cu_k = vl ? vl->cu_seqlens_k : NULL;
+    p->sq = (int)a->q.s;
+    p->sk = (int)a->k.s;
+    p->q_head0 = a->q_head0;
+    p->kv_group = a->kv_group ? a->kv_group : a->q.h / a->k.h;
+    p->scale = a->softmax_scale != 0.f ? a->softmax_scale : 1.f / sqrtf((float)a->q.d);
+    p->scale_log2 = p->scale * ULY__LOG2E;
+    p->causal = a->causal;
+    if (backward) {
+        p->dsum = (float *)a->workspace;
+        if (!a->deterministic)
+            p->dq_acc = (float *)((char *)a->workspace + uly__fa_align(a->q.b * a->q.h * a->q.s * 4));
+    }
+    return uly__ok();
+}
+
+template <typename T> struct uly__fa_type { typedef T type; };
+template <int D> struct uly__fa_dim { enum { value = D }; };
+
+/* Calls f(uly__fa_type<T>, uly__fa_dim<D>) for the run-time dtype and head dim. */
+template <typename F> static uly_status uly__fa_dispatch(uly_dtype t, int64_t d, F f) {
+    if (t == ULY_BF16)
+        return d == 64 ? f(uly__fa_type<__nv_bfloat16>(), uly__fa_dim<64>())
+                       : f(uly__fa_type<__nv_bfloat16>(), uly__fa_dim<128>());
+    return d == 64 ? f(uly__fa_type<__half>(), uly__fa_dim<64>())
+                   : f(uly__fa_type<__half>(), uly__fa_dim<128>());
+}
+
+static int uly__fa_cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
+
+/* Launches kernel on grid (nothing for an empty grid) with the dynamic shared memory it asks. */
+template <typename... P>
+static uly_status uly__fa_launch(void (*kernel)(P...), const char *name, dim3 grid, int threads,
+                                 size_t smem, cudaStream_t stream, const uly__fa_params &p) {
+    if (!grid.x || !grid.y || !grid.z) return uly__ok();
+    ULY__TRY(uly__cuda(cudaFuncSetAttribute((const void *)kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                       name));
+    ULY_LAUNCH(kernel, grid, dim3(threads), smem, stream, p);
+    return uly__cuda(cudaGetLastError(), name);
+}
+
+template <typename T, int D>
+static uly_status uly__fa_fwd_run(const uly__fa_params &p, int batch, int64_t max_sq, int64_t,
+                                  cudaStream_t stream) {
+    using F = typename uly__fa_traits<D>::fwd;
+    return uly__fa_launch(uly__flash_fwd<T, D>, "uly__flash_fwd",
+                          dim3(uly__fa_cdiv(max_sq, F::BM), (unsigned)p.q.h, batch), F::WARPS * 32,
+                          (size_t)(F::BM + 2 * F::BN) * D * 2, stream, p);
+}
+
+/* Pre-pass, then either the atomic dQ kernel and the post-pass, or (deterministic) the dK/dV
+   kernel and the dQ kernel. */
+template <typename T, int D>
+static uly_status uly__fa_bwd_run(const uly__fa_params &p, int batch, int64_t max_sq,
+                                  int64_t max_sk, cudaStream_t stream) {
+    using B = typename uly__fa_traits<D>::bwd;
+    using Q = typename uly__fa_traits<D>::dq;
+    const bool atomic = p.dq_acc != NULL;
+    const dim3 rows(uly__fa_cdiv(max_sq, 4), (unsigned)p.q.h, batch);
+    const dim3 keys(uly__fa_cdiv(max_sk, B::BN), (unsigned)p.k.h, batch);
+    const size_t kv_smem = (size_t)(2 * B::BN * D + 4 * B::BM * D + (atomic ? B::BN * B::BM : 0)) *
+                               2 + 4 * B::BM * sizeof(float);
+    ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre", rows, 128, 0, stream, p));
+    if (atomic) {
+        ULY__TRY(uly__fa_launch(uly__flash_bwd_kv<T, D, true>, "uly__flash_bwd_kv", keys,
+                                B::WARPS * 32, kv_smem, stream, p));
+        return uly__fa_launch(uly__flash_bwd_post<T>, "uly__flash_bwd_post", rows, 128, 0, stream,
+                              p);
+    }
+    ULY__TRY(uly__fa_launch(uly__flash_bwd_kv<T, D, false>, "uly__flash_bwd_kv", keys,
+                            B::WARPS * 32, kv_smem, stream, p));
+    return uly__fa_launch(uly__flash_bwd_q<T, D>, "uly__flash_bwd_q",
+                          dim3(uly__fa_cdiv(max_sq, Q::BM), (unsigned)p.q.h, batch), Q::WARPS * 32,
+                          (size_t)(2 * Q::BM + 4 * Q::BN) * D * 2, stream, p);
+}
+
+/* Both directions, dense (vl NULL) or varlen. */
+static uly_status uly__fa_run(const uly_attn_args *a, const uly_varlen *vl, int backward) {
+    uly__fa_params p;
+    ULY__TRY(uly__fa_setup(a, vl, backward, &p));
+    const int batch = (int)(vl ? vl->batch : a->q.b);
+    const int64_t max_sq = vl ? vl->max_seqlen_q : a->q.s, max_sk = vl ? vl->max_seqlen_k : a->k.s;
+    cudaStream_t stream = (cudaStream_t)a->stream;
+    return uly__fa_dispatch(a->q.dtype, a->q.d, [&](auto t, auto d) {
+        using T = typename decltype(t)::type;
+        constexpr int D = decltype(d)::value;
+        return (backward ? uly__fa_bwd_run<T, D> : uly__fa_fwd_run<T, D>)(p, batch, max_sq, max_sk,
+                                                                          stream);
+    });
+}
+
+static uly_status uly__fa_fwd(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    return uly__fa_run(a, NULL, 0);
+}
+static uly_status uly__fa_bwd(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    return uly__fa_run(a, NULL, 1);
+}
+
+ULYDEF uly_attn uly_flash_attention(void) {
+    uly_attn at = {uly__fa_fwd, uly__fa_bwd, uly__fa_workspace, NULL};
+    return at;
+}
+
+ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v) {
+    return uly__fa_run(a, v, 0);
+}
+ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v) {
+    return uly__fa_run(a, v, 1);
+}
+
+#endif /* ULYSSES_IMPLEMENTATION */
