@@ -84,7 +84,7 @@ static const plan_bad plan_table[] = {
     {"dtype not a uly_dtype", P_DTYPE, 7, P_DTYPE, 7, ULY_EINVAL, "dtype"},
     {"max_bytes negative", P_MAXB, -1, P_MAXB, -1, ULY_EINVAL, "max_bytes"},
     /* 2^40 * 2^40 * 8 * 16 * 2 bytes overflows int64 */
-    {"B*S*H*D*elem overflows int64", P_B, BIG, P_S, BIG, ULY_EOVERFLOW, "int64"},
+    {"B*S*H*D*elem overflows int64", P_B, BIG, P_S, BIG, ULY_EOVERFLOW, "seq_len"},
     /* Q to one peer: 2 * 4 * 2 * 16 * 2 = 512 bytes > 511 */
     {"per-peer bytes > max_bytes", P_MAXB, 511, P_MAXB, 511, ULY_EOVERFLOW, "max_bytes"},
 };
@@ -156,7 +156,7 @@ typedef struct fixture {
     float o[FB * FSR * FH * FD], dq[FB * FSR * FH * FD], dk[FB * FSR * FHKV * FD],
         dv[FB * FSR * FHKV * FD];
     uly_tensor tq, tk, tv, to, tdo, tdq, tdk, tdv;
-    void *saved, *ws;
+    void *saved, *saved_buf, *ws;
 } fixture;
 
 static void fixture_init(fixture *f) {
@@ -178,7 +178,7 @@ static void fixture_init(fixture *f) {
     f->L.workspace_bytes = uly_layer_workspace(&f->L);
     f->ws = malloc((size_t)(f->L.workspace_bytes > 0 ? f->L.workspace_bytes : 1));
     f->L.workspace = f->ws;
-    f->saved = malloc((size_t)uly_saved_bytes(&f->plan));
+    f->saved = f->saved_buf = malloc((size_t)uly_saved_bytes(&f->plan));
     f->tq = uly_dense(f->q, ULY_F32, FB, FSR, FH, FD);
     f->tk = uly_dense(f->k, ULY_F32, FB, FSR, FHKV, FD);
     f->tv = uly_dense(f->v, ULY_F32, FB, FSR, FHKV, FD);
@@ -190,7 +190,7 @@ static void fixture_init(fixture *f) {
 }
 static void fixture_free(fixture *f) {
     free(f->ws);
-    free(f->saved);
+    free(f->saved_buf);
 }
 
 static uly_status fwd(fixture *f) { return uly_forward(&f->L, f->tq, f->tk, f->tv, f->to, f->saved); }
@@ -236,31 +236,31 @@ typedef struct layer_bad {
 } layer_bad;
 
 static const layer_bad layer_table[] = {
-    {"forward: q data NULL", f_q_null, ULY_EINVAL, "q"},
-    {"forward: k data NULL", f_k_null, ULY_EINVAL, "k"},
-    {"forward: out data NULL", f_out_null, ULY_EINVAL, "out"},
-    {"forward: q has S_r + 1 tokens", f_q_tokens, ULY_EINVAL, "q"},
-    {"forward: q has H - 1 heads", f_q_heads, ULY_EINVAL, "q"},
-    {"forward: k has H heads, plan says Hkv", f_k_heads, ULY_EINVAL, "k"},
-    {"forward: v head dim D/2", f_v_dim, ULY_EINVAL, "v"},
-    {"forward: out batch 2", f_out_batch, ULY_EINVAL, "out"},
+    {"forward: q data NULL", f_q_null, ULY_EINVAL, "q:"},
+    {"forward: k data NULL", f_k_null, ULY_EINVAL, "k:"},
+    {"forward: out data NULL", f_out_null, ULY_EINVAL, "out:"},
+    {"forward: q has S_r + 1 tokens", f_q_tokens, ULY_EINVAL, "q:"},
+    {"forward: q has H - 1 heads", f_q_heads, ULY_EINVAL, "q:"},
+    {"forward: k has H heads, plan says Hkv", f_k_heads, ULY_EINVAL, "k:"},
+    {"forward: v head dim D/2", f_v_dim, ULY_EINVAL, "v:"},
+    {"forward: out batch 2", f_out_batch, ULY_EINVAL, "out:"},
     {"forward: q bf16, plan fp32", f_q_dtype, ULY_EINVAL, "dtype"},
     {"forward: out f16, plan fp32", f_out_dtype, ULY_EINVAL, "dtype"},
-    {"forward: q heads overlap (sh < d)", f_q_overlap, ULY_EINVAL, "q"},
+    {"forward: q heads overlap (sh < d)", f_q_overlap, ULY_EINVAL, "q:"},
     {"forward: comm size 3, sp_size 2", f_comm_size, ULY_EINVAL, "comm"},
     {"forward: comm rank 1, sp_rank 0", f_comm_rank, ULY_EINVAL, "comm"},
     {"forward: comm NULL", f_comm_null, ULY_EINVAL, "comm"},
     {"forward: plan NULL", f_plan_null, ULY_EINVAL, "plan"},
     {"forward: workspace NULL", f_ws_null, ULY_EINVAL, "workspace"},
     {"forward: workspace one byte short", f_ws_small, ULY_EINVAL, "workspace"},
-    {"forward: attn.fwd NULL", f_attn_null, ULY_EINVAL, "attn"},
-    {"forward: layout.pack NULL", f_layout_null, ULY_EINVAL, "layout"},
+    {"forward: attn.fwd NULL", f_attn_null, ULY_EINVAL, "attn.fwd"},
+    {"forward: layout.pack NULL", f_layout_null, ULY_EINVAL, "layout.pack"},
     {"forward: saved NULL", f_saved_null, ULY_EINVAL, "saved"},
-    {"backward: dout data NULL", b_dout_null, ULY_EINVAL, "dout"},
-    {"backward: dq has S_r - 1 tokens", b_dq_tokens, ULY_EINVAL, "dq"},
-    {"backward: dk has Hkv + 1 heads", b_dk_heads, ULY_EINVAL, "dk"},
+    {"backward: dout data NULL", b_dout_null, ULY_EINVAL, "dout:"},
+    {"backward: dq has S_r - 1 tokens", b_dq_tokens, ULY_EINVAL, "dq:"},
+    {"backward: dk has Hkv + 1 heads", b_dk_heads, ULY_EINVAL, "dk:"},
     {"backward: dv bf16", b_dv_dtype, ULY_EINVAL, "dtype"},
-    {"backward: attn.bwd NULL", b_attn_null, ULY_EINVAL, "attn"},
+    {"backward: attn.bwd NULL", b_attn_null, ULY_EINVAL, "attn.bwd"},
     {"backward: workspace of 8 bytes", b_ws_small, ULY_EINVAL, "workspace"},
     {"backward: saved NULL", b_saved_null, ULY_EINVAL, "saved"},
     {"backward: comm size 1, sp_size 2", b_comm_size, ULY_EINVAL, "comm"},
@@ -327,16 +327,18 @@ typedef struct attn_bad {
 static const attn_bad attn_table[] = {
     {"k.h = 3 does not divide q.h = 4", 0, ULY_EINVAL, "k.h"},
     {"k.d != q.d", 0, ULY_EINVAL, "k.d"},
-    {"v.s != k.s", 0, ULY_EINVAL, "v"},
-    {"o.h != q.h", 0, ULY_EINVAL, "o"},
+    {"v.s != k.s", 0, ULY_EINVAL, "v:"},
+    {"o.h != q.h", 0, ULY_EINVAL, "o:"},
     {"k.b != q.b", 0, ULY_EINVAL, "k.b"},
     {"lse NULL", 0, ULY_EINVAL, "lse"},
-    {"q data NULL", 0, ULY_EINVAL, "q"},
+    {"q data NULL", 0, ULY_EINVAL, "q:"},
     {"k bf16, q fp32", 0, ULY_EINVAL, "dtype"},
-    {"kv_group 3 with q.h 4, k.h 2", 0, ULY_EINVAL, "kv_group"},
-    {"backward: dq NULL", 1, ULY_EINVAL, "dq"},
-    {"backward: dk.h != k.h", 1, ULY_EINVAL, "dk"},
-    {"backward: dout.s != q.s", 1, ULY_EINVAL, "dout"},
+    {"kv_group 1 with q.h 4, k.h 2: head 3 reads kv head 3", 0, ULY_EINVAL, "kv_group"},
+    {"backward: dq NULL", 1, ULY_EINVAL, "dq:"},
+    {"backward: dk.h != k.h", 1, ULY_EINVAL, "dk:"},
+    {"backward: dout.s != q.s", 1, ULY_EINVAL, "dout:"},
+    {"softmax_scale NaN", 0, ULY_EINVAL, "softmax_scale"},
+    {"q_head0 negative", 0, ULY_EINVAL, "q_head0"},
 };
 
 static void break_args(uly_attn_args *a, int i) {
@@ -349,11 +351,21 @@ static void break_args(uly_attn_args *a, int i) {
     case 5: a->lse = NULL; break;
     case 6: a->q.data = NULL; break;
     case 7: a->k.dtype = ULY_BF16, a->v.dtype = ULY_BF16; break;
-    case 8: a->kv_group = 3; break;
+    case 8: a->kv_group = 1; break;
     case 9: a->dq.data = NULL; break;
     case 10: a->dk.h = 1; break;
     case 11: a->dout.s = AS - 1; break;
+    case 12: a->softmax_scale = NAN; break;
+    case 13: a->q_head0 = -1; break;
     }
+}
+
+TEST(attn_check_accepts_a_kv_group_that_maps_a_head_slice_into_k) {
+    /* q heads [0, 4) of a group-3 model (H = 6, Hkv = 2) read kv heads 0, 0, 0, 1: valid. */
+    uly_attn_args a = good_args();
+    a.kv_group = 3;
+    uly_status st = uly_attn_check(&a, 1);
+    CHECK(st.code == ULY_OK, "%s", st.msg);
 }
 
 TEST(attn_check_rejects_each_broken_contract_rule_with_its_field) {

@@ -17,6 +17,47 @@
 
 static int world_rank, world_size;
 
+/* ---------------------------------------------------------------------------------------------
+   The MPI profiling interface: these wrap the library's point-to-point and all-to-all calls
+   (which then go on to PMPI_*), so a test can see the size of every message the communicator
+   hands to MPI: with chunk_bytes = 1000 none may be larger. */
+
+static int64_t msg_max;   /* largest single message, bytes (MPI_BYTE counts) */
+static int64_t msg_bytes; /* bytes sent, over every message */
+
+static void msg_reset(void) { msg_max = 0, msg_bytes = 0; }
+static void msg_seen(int count, int sent) {
+    if (count > msg_max) msg_max = count;
+    if (sent) msg_bytes += count;
+}
+
+int MPI_Isend(const void *buf, int count, MPI_Datatype type, int dest, int tag, MPI_Comm comm,
+              MPI_Request *req) {
+    msg_seen(count, 1);
+    return PMPI_Isend(buf, count, type, dest, tag, comm, req);
+}
+int MPI_Irecv(void *buf, int count, MPI_Datatype type, int src, int tag, MPI_Comm comm,
+              MPI_Request *req) {
+    msg_seen(count, 0);
+    return PMPI_Irecv(buf, count, type, src, tag, comm, req);
+}
+int MPI_Send(const void *buf, int count, MPI_Datatype type, int dest, int tag, MPI_Comm comm) {
+    msg_seen(count, 1);
+    return PMPI_Send(buf, count, type, dest, tag, comm);
+}
+int MPI_Recv(void *buf, int count, MPI_Datatype type, int src, int tag, MPI_Comm comm,
+             MPI_Status *status) {
+    msg_seen(count, 0);
+    return PMPI_Recv(buf, count, type, src, tag, comm, status);
+}
+int MPI_Alltoallv(const void *sbuf, const int *sc, const int *sd, MPI_Datatype st, void *rbuf,
+                  const int *rc, const int *rd, MPI_Datatype rt, MPI_Comm comm) {
+    int P;
+    PMPI_Comm_size(comm, &P);
+    for (int j = 0; j < P; j++) msg_seen(sc[j], 1), msg_seen(rc[j], 0);
+    return PMPI_Alltoallv(sbuf, sc, sd, st, rbuf, rc, rd, rt, comm);
+}
+
 /* How many ranks report !ok; every rank gets the same answer. */
 static int ranks_failing(int ok) {
     int bad = !ok;
@@ -131,6 +172,7 @@ static const sp_case mpi_cases[] = {
     {4, 2, 67, 8, 2, 16, 1, 1, 0},  /* GQA, Hkv < P, fused views */
     {4, 1, 31, 6, 1, 8, 0, 0, 0},   /* MQA, uneven H, not causal */
     {4, 3, 13, 5, 5, 8, 1, 1, 0},   /* uneven everything */
+    {4, 2, 19, 6, 2, 8, 1, 0, 0},   /* g = 3: rank 1's heads 2, 3 span kv heads 0 and 1 */
 };
 enum { NMPI = sizeof mpi_cases / sizeof *mpi_cases };
 
@@ -156,7 +198,10 @@ TEST(layer_over_mpi_with_1000_byte_chunks_matches_the_unsharded_references) {
        above the 1000-byte chunk and not multiples of it. */
     uly_mpi m;
     uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 1000);
+    msg_reset();
     for (int i = 0; i < NMPI; i++) check_layer(&comm, &mpi_cases[i], 2000 + (uint64_t)i, "chunked");
+    ALL_CHECK(msg_max <= 1000 && msg_bytes > 4 * 4352, "largest MPI message %lld bytes, %lld sent",
+              (long long)msg_max, (long long)msg_bytes);
 }
 
 /* Bytes rank i sends to rank j in the alltoallv tests: 0, below, at and above the chunk. */
@@ -189,8 +234,17 @@ static void check_alltoallv(int64_t chunk) {
         for (int64_t k = 0; k < sc[j]; k++) send[so[j] + k] = a2a_byte(me, j, k);
     uly_mpi m;
     uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, chunk);
+    msg_reset();
     uly_status s = comm.alltoallv(comm.ctx, send, sc, so, recv, rc, ro, NULL);
     ALL_CHECK(s.code == ULY_OK, "alltoallv (chunk %lld): %s", (long long)chunk, s.msg);
+    int64_t sent = 0, largest = 0;
+    for (int j = 0; j < P; j++) sent += sc[j], largest = sc[j] > largest ? sc[j] : largest;
+    for (int j = 0; j < P; j++) largest = rc[j] > largest ? rc[j] : largest;
+    ALL_CHECK(msg_bytes == sent, "chunk %lld: MPI was handed %lld bytes to send, want %lld",
+              (long long)chunk, (long long)msg_bytes, (long long)sent);
+    ALL_CHECK(chunk ? msg_max <= chunk : msg_max == largest,
+              "chunk %lld: the largest MPI message has %lld bytes (largest count %lld)",
+              (long long)chunk, (long long)msg_max, (long long)largest);
     int64_t wrong = 0, gap = 0;
     for (int i = 0; i < P; i++) {
         for (int64_t k = 0; k < rc[i]; k++) wrong += recv[ro[i] + k] != a2a_byte(i, me, k);
