@@ -164,6 +164,32 @@ BENCH_BINS += $(BUILD)/bench_emu
 # --- cuda ---
 
 # --- attention kernels ---
+# The flash kernels (wip/cuda_flash.cuh). test_flash checks them against fp64, plain-precision
+# and CPU references: under the emulator, plain and ASan builds (make test), and on a GPU (make
+# test-gpu). Its nvcc build (sm_80 and sm_90, -Werror) keeps ptxas -v's report, and make test
+# fails if any flash kernel spills registers.
+FLASH_HDRS = ulysses.h ulysses_cuda.cuh wip/cuda_flash.cuh wip/cuda_layout.cuh $(EMU_HDRS)
+
+$(BUILD)/test_flash: tests/test_flash.cu $(FLASH_HDRS) $(EMU_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
+$(BUILD)/asan/test_flash: tests/test_flash.cu $(FLASH_HDRS) $(EMU_ASAN_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
+$(BUILD)/gpu/test_flash: tests/test_flash.cu $(FLASH_HDRS)
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
+
+TESTS     += $(BUILD)/test_flash $(BUILD)/asan/test_flash
+TEST_BINS += $(BUILD)/test_flash $(BUILD)/asan/test_flash
+ifeq ($(HAVE_NVCC),1)
+TESTS     += 'tests/ptxas_spills.sh $(BUILD)/gpu/test_flash.ptxas uly__flash'
+TEST_BINS += $(BUILD)/gpu/test_flash
+else
+TESTS     += 'skip:flash kernel spill check (no nvcc)'
+endif
+GPU_TESTS += $(BUILD)/gpu/test_flash
+GPU_BINS  += $(BUILD)/gpu/test_flash
 
 # --- top-level targets ---
 test: $(TEST_BINS)
