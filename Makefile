@@ -126,6 +126,37 @@ else
 TESTS += 'skip:test_mpi (no $(MPICC): apt-get install openmpi-bin libopenmpi-dev)'
 endif
 
+# The demo and the CPU benchmarks. -O3: the fp32 reference attention and the layout loops
+# vectorize at -O3 (gcc's -O2 vectorizes little). DEMO_ARGS passes options, e.g. -s 8192.
+ULY_FAST = $(CFLAGS) -O3
+DEMO_ARGS ?=
+$(BUILD)/demo: examples/demo.c ulysses.h | $(BUILD)
+	$(CC) $(ULY_FAST) -o $@ $< $(LDLIBS)
+$(BUILD)/demo-mpi: examples/demo.c ulysses.h | $(BUILD)
+	$(MPICC) $(ULY_FAST) -DULYSSES_MPI -o $@ $< $(LDLIBS)
+demo: $(BUILD)/demo
+	$(BUILD)/demo $(DEMO_ARGS)
+ifeq ($(HAVE_MPI),1)
+demo-mpi: $(BUILD)/demo-mpi
+	$(MPIRUN) -np 4 $(BUILD)/demo-mpi $(DEMO_ARGS)
+else
+demo-mpi:
+	@echo "demo-mpi: no $(MPICC) here (apt-get install openmpi-bin libopenmpi-dev)"; exit 1
+endif
+
+$(BUILD)/bench_cpu: bench/bench_cpu.c ulysses.h | $(BUILD)
+	$(CC) $(ULY_FAST) -o $@ $< $(LDLIBS)
+BENCH_BINS += $(BUILD)/bench_cpu
+BENCHES    += $(BUILD)/bench_cpu
+ifeq ($(HAVE_MPI),1)
+$(BUILD)/bench_mpi: bench/bench_mpi.c ulysses.h | $(BUILD)
+	$(MPICC) $(ULY_FAST) -o $@ $< $(LDLIBS)
+BENCH_BINS += $(BUILD)/bench_mpi
+BENCHES    += '$(MPIRUN) -np 4 $(BUILD)/bench_mpi'
+else
+BENCHES    += 'skip:bench_mpi (no $(MPICC): apt-get install openmpi-bin libopenmpi-dev)'
+endif
+
 # --- emulator ---
 # The CUDA host emulator (tests/emu): emulated tests link EMU_OBJ (EMU_ASAN_OBJ under SAN) and
 # are compiled with $(CXX) $(EMU_CXXFLAGS) -x c++ test.cu.

@@ -948,8 +948,8 @@ static uly_status uly__mpi(int rc, const char *call) {
     return uly__err(ULY_ECOMM, "%s: %s", call, text);
 }
 
-/* Moves each peer's bytes in rounds: round k carries the k-th chunk of every peer's message,
-   so a round needs at most 2P requests and no message exceeds chunk bytes. */
+/* Moves the pairs whose count exceeds chunk bytes in rounds: round k carries the k-th chunk of
+   each of those messages, so a round needs at most 2P requests and no message exceeds chunk. */
 static uly_status uly__mpi_chunked(MPI_Comm comm, int P, int64_t chunk, const char *send,
                                    const int64_t *sc, const int64_t *so, char *recv,
                                    const int64_t *rc, const int64_t *ro) {
@@ -957,11 +957,11 @@ static uly_status uly__mpi_chunked(MPI_Comm comm, int P, int64_t chunk, const ch
     for (int64_t at = 0;; at += chunk) {
         int n = 0, err = MPI_SUCCESS;
         for (int j = 0; j < P && !err; j++)
-            if (rc[j] > at)
+            if (rc[j] > chunk && rc[j] > at)
                 err = MPI_Irecv(recv + ro[j] + at, (int)uly__min(chunk, rc[j] - at), MPI_BYTE, j,
                                 0, comm, &req[n++]);
         for (int j = 0; j < P && !err; j++)
-            if (sc[j] > at)
+            if (sc[j] > chunk && sc[j] > at)
                 err = MPI_Isend(send + so[j] + at, (int)uly__min(chunk, sc[j] - at), MPI_BYTE, j,
                                 0, comm, &req[n++]);
         ULY__TRY(uly__mpi(err, "MPI_Isend/MPI_Irecv"));
@@ -970,36 +970,45 @@ static uly_status uly__mpi_chunked(MPI_Comm comm, int P, int64_t chunk, const ch
     }
 }
 
-/* One MPI_Alltoallv when every count fits a chunk and every offset fits int; chunked
-   point-to-point otherwise. All ranks must take the same path, so they agree on it in a small
-   allreduce first, which also tells them when one of them has invalid arguments. */
+/* Pairs whose count fits a chunk move in one MPI_Alltoallv, larger ones in chunked messages.
+   Both ends of a pair see the same count, so every rank makes the same choice without asking.
+   MPI counts and offsets are int: they are given in units of the largest power of two that
+   divides all of this rank's (MPI matches the bytes, not the units, of the two ends). A rank
+   that rejects its arguments returns before the collective, and, as in any MPI collective, its
+   peers wait for it. */
 static uly_status uly__mpi_alltoallv(void *ctx, const void *send, const int64_t *send_counts,
                                      const int64_t *send_offs, void *recv,
                                      const int64_t *recv_counts, const int64_t *recv_offs,
                                      void *stream) {
     uly_mpi *m = (uly_mpi *)ctx;
-    int P, c[4][ULY_MAX_SP], fits = 1, path; /* path: 0 invalid somewhere, 1 chunks, 2 one call */
-    int64_t chunk = m->chunk_bytes ? m->chunk_bytes : INT_MAX;
     const int64_t *all[4] = {send_counts, send_offs, recv_counts, recv_offs};
+    int64_t chunk = m->chunk_bytes ? m->chunk_bytes : INT_MAX, bits = 0, unit;
+    int P, c[4][ULY_MAX_SP];
+    MPI_Datatype type;
     (void)stream;
     ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &P), "MPI_Comm_size"));
-    uly_status st = uly__check_counts(P, 0, send, send_counts, send_offs, recv, recv_counts,
-                                      recv_offs);
-    for (int a = 0; a < 4 && !st.code; a++)
+    ULY__TRY(uly__check_counts(P, 0, send, send_counts, send_offs, recv, recv_counts, recv_offs));
+    for (int a = 0; a < 4; a++)
+        for (int j = 0; j < P; j++) bits |= all[a][j];
+    unit = bits ? uly__min(bits & -bits, 1 << 30) : 1;
+    for (int a = 0; a < 4; a++)
         for (int j = 0; j < P; j++) {
-            fits &= all[a][j] <= (a % 2 ? INT_MAX : chunk); /* offsets, counts */
-            c[a][j] = (int)uly__min(all[a][j], INT_MAX);
+            int64_t n = all[a & 2][j] > chunk ? 0 : all[a][j]; /* chunked pairs send nothing */
+            ULY__CHECK(n / unit <= INT_MAX, ULY_EOVERFLOW,
+                       "alltoallv: peer %d: %s offset (%lld bytes) is beyond INT_MAX units of "
+                       "%lld bytes", j, a < 2 ? "send" : "recv", ULY__LL(n), ULY__LL(unit));
+            c[a][j] = (int)(n / unit);
         }
-    path = st.code ? 0 : fits ? 2 : 1;
-    ULY__TRY(uly__mpi(MPI_Allreduce(MPI_IN_PLACE, &path, 1, MPI_INT, MPI_MIN, m->comm),
-                      "MPI_Allreduce"));
+    ULY__TRY(uly__mpi(MPI_Type_contiguous((int)unit, MPI_BYTE, &type),
+                      "MPI_Type_contiguous"));
+    uly_status st = uly__mpi(MPI_Type_commit(&type), "MPI_Type_commit");
+    if (!st.code)
+        st = uly__mpi(MPI_Alltoallv(send, c[0], c[1], type, recv, c[2], c[3], type, m->comm),
+                      "MPI_Alltoallv");
+    MPI_Type_free(&type);
     if (st.code) return st;
-    ULY__CHECK(path, ULY_ECOMM, "alltoallv: another rank passed invalid arguments");
-    if (path == 1)
-        return uly__mpi_chunked(m->comm, P, chunk, (const char *)send, send_counts, send_offs,
-                                (char *)recv, recv_counts, recv_offs);
-    return uly__mpi(MPI_Alltoallv(send, c[0], c[1], MPI_BYTE, recv, c[2], c[3], MPI_BYTE,
-                                  m->comm), "MPI_Alltoallv");
+    return uly__mpi_chunked(m->comm, P, chunk, (const char *)send, send_counts, send_offs,
+                            (char *)recv, recv_counts, recv_offs);
 }
 
 static uly_status uly__mpi_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
