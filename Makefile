@@ -198,8 +198,10 @@ BENCH_BINS += $(BUILD)/bench_emu
 # The flash kernels (wip/cuda_flash.cuh). test_flash checks them against fp64, plain-precision
 # and CPU references: under the emulator, plain and ASan builds (make test), and on a GPU (make
 # test-gpu). Its nvcc build (sm_80 and sm_90, -Werror) keeps ptxas -v's report, and make test
-# fails if any flash kernel spills registers.
-FLASH_HDRS = ulysses.h ulysses_cuda.cuh wip/cuda_flash.cuh wip/cuda_layout.cuh $(EMU_HDRS)
+# fails if any flash kernel spills registers. test_flash_gpu (cuBLASLt agreement) runs on a GPU
+# only; make test still builds it when nvcc is here.
+FLASH_HDRS = ulysses.h ulysses_cuda.cuh wip/cuda_flash.cuh wip/cuda_layout.cuh tests/flash_case.h \
+             $(EMU_HDRS)
 
 $(BUILD)/test_flash: tests/test_flash.cu $(FLASH_HDRS) $(EMU_OBJ)
 	@mkdir -p $(@D)
@@ -211,16 +213,20 @@ $(BUILD)/gpu/test_flash: tests/test_flash.cu $(FLASH_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
 
+$(BUILD)/gpu/test_flash_gpu: tests/test_flash_gpu.cu $(FLASH_HDRS)
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@ -lcublasLt
+
 TESTS     += $(BUILD)/test_flash $(BUILD)/asan/test_flash
 TEST_BINS += $(BUILD)/test_flash $(BUILD)/asan/test_flash
 ifeq ($(HAVE_NVCC),1)
 TESTS     += 'tests/ptxas_spills.sh $(BUILD)/gpu/test_flash.ptxas uly__flash'
-TEST_BINS += $(BUILD)/gpu/test_flash
+TEST_BINS += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
 else
 TESTS     += 'skip:flash kernel spill check (no nvcc)'
 endif
-GPU_TESTS += $(BUILD)/gpu/test_flash
-GPU_BINS  += $(BUILD)/gpu/test_flash
+GPU_TESTS += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
+GPU_BINS  += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
 
 # --- top-level targets ---
 test: $(TEST_BINS)

@@ -4,8 +4,9 @@
    and 128, fp32 accumulation, causal (bottom-right) or not, GQA/MQA with groups split across SP
    ranks (q_head0, kv_group), Sq != Sk, any lengths, strided q/k/v/o (last dim contiguous, rows
    16-byte aligned), lse fp32 [B, H, Sq]. Fully masked rows give 0 and lse = +inf, never NaN.
-   uly_flash_varlen_* run packed documents (cu_seqlens). uly_cublaslt_attention() is the unfused
-   cuBLASLt path: the GPU-side second reference, and the fallback for any D <= 256, D % 8 == 0.
+   uly_flash_varlen_* run packed documents (cu_seqlens). uly_cublaslt_attention() (with
+   ULYSSES_CUBLASLT) is the unfused cuBLASLt path: the GPU-side second reference, and the
+   fallback for any D <= 256, D % 8 == 0.
 
    The kernels (sm_80 and newer: mma.sync m16n8k16, ldmatrix, cp.async) are built from a few tile
    primitives, so each reads like its algorithm:
@@ -51,6 +52,17 @@ ULYDEF uly_attn uly_flash_attention(void);
    The workspace is the dense query's: uly_flash_attention().workspace(NULL, a). */
 ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v);
 ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v);
+
+#ifdef ULYSSES_CUBLASLT
+/* The unfused attention on cuBLASLt (include <cublasLt.h> first, link -lcublasLt): S = Q K^T and
+   O = P V as batched GEMMs over each GQA group, a masked softmax kernel between them, and the
+   backward the same way (dP = dO V^T, dS = P (dP - Dsum), dQ = dS K, dK and dV summed over the
+   group in fp32). Every intermediate is materialized ([group, Sq, Sk] per kv head at a time),
+   rounded to the dtype as a plain attention does: the GPU-side second reference for the flash
+   kernels, and the fallback for head dims they do not cover (any D <= 256, D % 8 == 0; bf16 and
+   fp16; dense or strided). Deterministic. ctx is the handle. */
+ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle);
+#endif
 
 #ifdef __cplusplus
 }
@@ -870,5 +882,244 @@ ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen 
 ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v) {
     return uly__fa_run(a, v, 1);
 }
+
+/* ---------------------------------------------------------------------------------------------
+   The unfused cuBLASLt attention */
+
+#if defined(ULYSSES_CUBLASLT) && !defined(ULY_EMU)
+
+/* Row r of a [rows, sk] score block: query row r % sq of the block's head r / sq. */
+
+/* Forward softmax, one warp per row: p = exp(scale * s - lse) in T (0 where masked), and lse
+   unless NULL (the backward recomputes P). */
+template <typename T>
+__global__ void __launch_bounds__(128)
+    uly__lt_softmax(const float *s, T *p, float *lse, int64_t lse_sh, int rows, int sq, int sk,
+                    float scale, int causal) {
+    const int r = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
+    if (r >= rows) return;
+    const int i = r % sq, keep = causal ? min(sk, i + sk - sq + 1) : sk;
+    const float *row = s + (int64_t)r * sk;
+    float mx = -INFINITY, sum = 0.f;
+    for (int j = lane; j < keep; j += 32) mx = fmaxf(mx, row[j] * scale);
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    for (int j = lane; j < keep; j += 32) sum += expf(row[j] * scale - mx);
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float l = sum > 0.f ? mx + logf(sum) : INFINITY;
+    for (int j = lane; j < sk; j += 32)
+        p[(int64_t)r * sk + j] = (T)(j < keep ? expf(row[j] * scale - l) : 0.f);
+    if (lane == 0 && lse) lse[r / sq * lse_sh + i] = l;
+}
+
+/* Backward softmax, elementwise: ds = scale * p * (dp - Dsum) in T. */
+template <typename T>
+__global__ void __launch_bounds__(256)
+    uly__lt_softmax_grad(const T *p, const float *dp, const float *dsum, int64_t dsum_sh, T *ds,
+                         int64_t n, int sq, int sk, float scale) {
+    for (int64_t e = blockIdx.x * 256 + threadIdx.x; e < n; e += (int64_t)gridDim.x * 256) {
+        const int64_t r = e / sk;
+        ds[e] = (T)(scale * (float)p[e] * (dp[e] - dsum[r / sq * dsum_sh + r % sq]));
+    }
+}
+
+/* fp32 [rows, d] to the rows y, y + ss, ... in T. */
+template <typename T>
+__global__ void __launch_bounds__(256)
+    uly__lt_store(const float *x, T *y, int64_t ss, int64_t rows, int64_t d) {
+    for (int64_t e = blockIdx.x * 256 + threadIdx.x; e < rows * d; e += (int64_t)gridDim.x * 256)
+        y[e / d * ss + e % d] = (T)x[e];
+}
+
+static int uly__lt_blocks(int64_t n, int per_block) {
+    return (int)min((n + per_block - 1) / per_block, (int64_t)65535 * 16);
+}
+
+static uly_status uly__lt(cublasStatus_t e, const char *what) {
+    ULY__CHECK(e == CUBLAS_STATUS_SUCCESS, ULY_ECUDA, "%s: %s", what, cublasLtGetStatusString(e));
+    return uly__ok();
+}
+
+/* A row-major operand: rows x cols with leading dimension ld, batch stride in elements. */
+struct uly__lt_mat {
+    const void *p;
+    cudaDataType_t t;
+    int64_t rows, cols, ld, stride;
+};
+
+enum { ULY__LT_WS = 32 << 20 }; /* cuBLASLt's own workspace */
+
+/* D = alpha * op(A) op(B) + beta * D for `batch` row-major matrices (op transposes when t*).
+   cuBLASLt is column-major, where a row-major X is X^T: so it computes D^T = op(B)^T op(A)^T. */
+static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__lt_mat b, int tb,
+                               uly__lt_mat d, float alpha, float beta, int batch, void *ws,
+                               cudaStream_t stream) {
+    cublasLtMatmulDesc_t desc = NULL;
+    cublasLtMatrixLayout_t l[3] = {NULL, NULL, NULL};
+    const uly__lt_mat *m[3] = {&b, &a, &d};
+    const cublasOperation_t op[2] = {tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N};
+    uly_status st = uly__lt(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                            "cublasLtMatmulDescCreate");
+    if (!st.code)
+        st = uly__lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op[0],
+                                                    sizeof op[0]), "TRANSA");
+    if (!st.code)
+        st = uly__lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op[1],
+                                                    sizeof op[1]), "TRANSB");
+    for (int i = 0; i < 3 && !st.code; i++) {
+        st = uly__lt(cublasLtMatrixLayoutCreate(&l[i], m[i]->t, (uint64_t)m[i]->cols,
+                                                (uint64_t)m[i]->rows, m[i]->ld),
+                     "cublasLtMatrixLayoutCreate");
+        if (!st.code)
+            st = uly__lt(cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                          &batch, sizeof batch), "BATCH_COUNT");
+        if (!st.code)
+            st = uly__lt(cublasLtMatrixLayoutSetAttribute(
+                             l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &m[i]->stride,
+                             sizeof m[i]->stride), "STRIDED_BATCH_OFFSET");
+    }
+    if (!st.code)
+        st = uly__lt(cublasLtMatmul(h, desc, &alpha, b.p, l[0], a.p, l[1], &beta, d.p, l[2],
+                                    (void *)d.p, l[2], NULL, ws, ULY__LT_WS, stream),
+                     "cublasLtMatmul");
+    for (int i = 0; i < 3; i++)
+        if (l[i]) cublasLtMatrixLayoutDestroy(l[i]);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    return st;
+}
+
+/* The scratch of one kv head's group, then Dsum, dK and dV in fp32, and cuBLASLt's. */
+struct uly__lt_ws {
+    float *s;          /* S, then dP: [g, Sq, Sk] fp32 */
+    void *p, *ds;      /* P and dS: [g, Sq, Sk] in T */
+    float *dsum;       /* [B, H, Sq] */
+    float *dk, *dv;    /* [Sk, D] */
+    void *lt;
+};
+
+static int64_t uly__lt_group(const uly_attn_args *a) {
+    const int64_t g = a->kv_group ? a->kv_group : a->q.h / a->k.h;
+    return min(g, a->q.h);
+}
+
+static int64_t uly__lt_workspace(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    const int64_t blk = uly__lt_group(a) * a->q.s * a->k.s;
+    return uly__fa_align(blk * 4) + 2 * uly__fa_align(blk * 2) +
+           uly__fa_align(a->q.b * a->q.h * a->q.s * 4) + 2 * uly__fa_align(a->k.s * a->q.d * 4) +
+           ULY__LT_WS;
+}
+
+static uly__lt_ws uly__lt_carve(const uly_attn_args *a) {
+    const int64_t blk = uly__lt_group(a) * a->q.s * a->k.s;
+    char *w = (char *)a->workspace;
+    uly__lt_ws r;
+    r.s = (float *)w, w += uly__fa_align(blk * 4);
+    r.p = w, w += uly__fa_align(blk * 2);
+    r.ds = w, w += uly__fa_align(blk * 2);
+    r.dsum = (float *)w, w += uly__fa_align(a->q.b * a->q.h * a->q.s * 4);
+    r.dk = (float *)w, w += uly__fa_align(a->k.s * a->q.d * 4);
+    r.dv = (float *)w, w += uly__fa_align(a->k.s * a->q.d * 4);
+    r.lt = w;
+    return r;
+}
+
+/* Forward (backward = 0) or backward of every (batch, kv head): its group's query heads
+   [h0, h1) are one batched GEMM each (K and V have batch stride 0). */
+template <typename T>
+static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int backward) {
+    ULY__TRY(uly_attn_check(a, backward));
+    ULY__CHECK(a->q.dtype == ULY_BF16 || a->q.dtype == ULY_F16, ULY_EUNSUPPORTED,
+               "dtype %s: the cuBLASLt attention takes bf16 or fp16", uly__dtype_name(a->q.dtype));
+    ULY__CHECK(a->q.d <= 256 && a->q.d % 8 == 0, ULY_EUNSUPPORTED,
+               "q.d (%lld): the cuBLASLt attention takes D <= 256, D %% 8 == 0", ULY__LL(a->q.d));
+    ULY__CHECK(a->workspace, ULY_EINVAL, "workspace is NULL (workspace() gives its bytes)");
+    const cudaDataType_t dt = a->q.dtype == ULY_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const int64_t B = a->q.b, H = a->q.h, Sq = a->q.s, Sk = a->k.s, D = a->q.d;
+    const int64_t g = a->kv_group ? a->kv_group : H / a->k.h, g0 = a->q_head0 / g;
+    const float scale = a->softmax_scale != 0.f ? a->softmax_scale : 1.f / sqrtf((float)D);
+    cudaStream_t stream = (cudaStream_t)a->stream;
+    const uly__lt_ws w = uly__lt_carve(a);
+    ULY__CHECK(Sq > 0 && Sk > 0, ULY_EUNSUPPORTED,
+               "q.s (%lld), k.s (%lld): the cuBLASLt attention needs rows and keys", ULY__LL(Sq),
+               ULY__LL(Sk));
+    if (backward) {
+        uly__fa_params p;
+        memset(&p, 0, sizeof p);
+        p.o = a->o, p.dout = a->dout, p.q = a->q, p.dsum = w.dsum, p.lse_sb = H * Sq, p.lse_sh = Sq;
+        p.sq = (int)Sq;
+        ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre",
+                                dim3(uly__fa_cdiv(Sq, 4), (unsigned)H, (unsigned)B), 128, 0,
+                                stream, p));
+    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < a->k.h; j++) {
+            const int64_t h0 = max((int64_t)0, (j + g0) * g - a->q_head0);
+            const int64_t n = min(H, (j + g0 + 1) * g - a->q_head0) - h0;
+            const int rows = (int)(n * Sq);
+            const T *q = (const T *)a->q.data + b * a->q.sb + h0 * a->q.sh;
+            const T *k = (const T *)a->k.data + b * a->k.sb + j * a->k.sh;
+            const T *v = (const T *)a->v.data + b * a->v.sb + j * a->v.sh;
+            const int64_t lse0 = (b * H + h0) * Sq;
+            const uly__lt_mat Q = {q, dt, Sq, D, a->q.ss, a->q.sh}, K = {k, dt, Sk, D, a->k.ss, 0};
+            const uly__lt_mat V = {v, dt, Sk, D, a->v.ss, 0};
+            const uly__lt_mat S = {w.s, CUDA_R_32F, Sq, Sk, Sk, Sq * Sk};
+            const uly__lt_mat P = {w.p, dt, Sq, Sk, Sk, Sq * Sk};
+            ULY__TRY(uly__lt_gemm(h, Q, 0, K, 1, S, 1.f, 0.f, (int)n, w.lt, stream)); /* S = Q K^T */
+            ULY_LAUNCH(uly__lt_softmax<T>, dim3(uly__fa_cdiv(rows, 4)), dim3(128), 0, stream, w.s,
+                       (T *)w.p, backward ? NULL : a->lse + lse0, Sq, rows, (int)Sq,
+                       (int)Sk, scale, a->causal);
+            ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax"));
+            if (!backward) { /* O = P V */
+                T *o = (T *)a->o.data + b * a->o.sb + h0 * a->o.sh;
+                const uly__lt_mat O = {o, dt, Sq, D, a->o.ss, a->o.sh};
+                ULY__TRY(uly__lt_gemm(h, P, 0, V, 0, O, 1.f, 0.f, (int)n, w.lt, stream));
+                continue;
+            }
+            const T *dout = (const T *)a->dout.data + b * a->dout.sb + h0 * a->dout.sh;
+            T *dq = (T *)a->dq.data + b * a->dq.sb + h0 * a->dq.sh;
+            const uly__lt_mat dO = {dout, dt, Sq, D, a->dout.ss, a->dout.sh};
+            const uly__lt_mat dQ = {dq, dt, Sq, D, a->dq.ss, a->dq.sh};
+            const uly__lt_mat dS = {w.ds, dt, Sq, Sk, Sk, Sq * Sk};
+            ULY__TRY(uly__lt_gemm(h, dO, 0, V, 1, S, 1.f, 0.f, (int)n, w.lt, stream)); /* dP */
+            ULY_LAUNCH(uly__lt_softmax_grad<T>, dim3(uly__lt_blocks(rows * Sk, 256)), dim3(256), 0,
+                       stream, (const T *)w.p, w.s, w.dsum + lse0, Sq, (T *)w.ds, rows * Sk,
+                       (int)Sq, (int)Sk, scale);
+            ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax_grad"));
+            ULY__TRY(uly__lt_gemm(h, dS, 0, K, 0, dQ, 1.f, 0.f, (int)n, w.lt, stream)); /* dQ */
+            const uly__lt_mat dK = {w.dk, CUDA_R_32F, Sk, D, D, 0}, dV = {w.dv, CUDA_R_32F, Sk, D, D, 0};
+            for (int64_t i = 0; i < n; i++) { /* dK, dV summed over the group, in order */
+                const uly__lt_mat dSi = {(const T *)w.ds + i * Sq * Sk, dt, Sq, Sk, Sk, 0};
+                const uly__lt_mat Pi = {(const T *)w.p + i * Sq * Sk, dt, Sq, Sk, Sk, 0};
+                const uly__lt_mat Qi = {q + i * a->q.sh, dt, Sq, D, a->q.ss, 0};
+                const uly__lt_mat dOi = {dout + i * a->dout.sh, dt, Sq, D, a->dout.ss, 0};
+                ULY__TRY(uly__lt_gemm(h, dSi, 1, Qi, 0, dK, 1.f, i ? 1.f : 0.f, 1, w.lt, stream));
+                ULY__TRY(uly__lt_gemm(h, Pi, 1, dOi, 0, dV, 1.f, i ? 1.f : 0.f, 1, w.lt, stream));
+            }
+            T *dk = (T *)a->dk.data + b * a->dk.sb + j * a->dk.sh;
+            T *dv = (T *)a->dv.data + b * a->dv.sb + j * a->dv.sh;
+            ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
+                       (const float *)w.dk, dk, a->dk.ss, Sk, D);
+            ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
+                       (const float *)w.dv, dv, a->dv.ss, Sk, D);
+            ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_store"));
+        }
+    return uly__ok();
+}
+
+static uly_status uly__lt_fwd(void *ctx, const uly_attn_args *a) {
+    return a->q.dtype == ULY_F16 ? uly__lt_run<__half>((cublasLtHandle_t)ctx, a, 0)
+                                 : uly__lt_run<__nv_bfloat16>((cublasLtHandle_t)ctx, a, 0);
+}
+static uly_status uly__lt_bwd(void *ctx, const uly_attn_args *a) {
+    return a->q.dtype == ULY_F16 ? uly__lt_run<__half>((cublasLtHandle_t)ctx, a, 1)
+                                 : uly__lt_run<__nv_bfloat16>((cublasLtHandle_t)ctx, a, 1);
+}
+
+ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle) {
+    uly_attn at = {uly__lt_fwd, uly__lt_bwd, uly__lt_workspace, (void *)handle};
+    return at;
+}
+
+#endif /* ULYSSES_CUBLASLT && !ULY_EMU */
 
 #endif /* ULYSSES_IMPLEMENTATION */

@@ -1,0 +1,389 @@
+/* flash_case.h - the harness of the attention kernel tests (test_flash.cu, emulated and on a
+   GPU; test_flash_gpu.cu): cases, seeded inputs rounded to the dtype, the fp64 and plain-precision
+   references, device tensors (dense or padded), one forward + backward run of a uly_attn, and
+   the accuracy rule. Include after ulysses_cuda.cuh (with its implementation) and check.h. */
+#ifndef ULY_FLASH_CASE_H
+#define ULY_FLASH_CASE_H
+
+#include <string>
+#include <vector>
+
+typedef std::vector<float> fvec;
+typedef std::vector<double> dvec;
+
+typedef struct fcase {
+    int64_t B, Sq, Sk, H, Hkv, D;
+    int causal;
+    uly_dtype dt;
+    int strided;       /* padded heads, rows and batches instead of dense tensors */
+    int deterministic;
+    int64_t q_head0, kv_group; /* 0, 0: whole tensors */
+    float magnitude;   /* q and k uniform in [-magnitude, magnitude); 0 means 1 */
+} fcase;
+
+static const char *dt_name(uly_dtype t) { return t == ULY_BF16 ? "bf16" : "f16"; }
+
+static float round_to(uly_dtype t, double x) {
+    if (t == ULY_BF16) return __bfloat162float(__float2bfloat16_rn((float)x));
+    if (t == ULY_F16) return __half2float(__float2half_rn((float)x));
+    return (float)x;
+}
+
+static int64_t kv_group(const fcase &c) { return c.kv_group ? c.kv_group : c.H / c.Hkv; }
+static int64_t kv_of(const fcase &c, int64_t h) {
+    return (c.q_head0 + h) / kv_group(c) - c.q_head0 / kv_group(c);
+}
+
+static uint64_t rng_state = 88172645463325252ull;
+static float uniform(void) { /* in [-1, 1) */
+    rng_state ^= rng_state << 13, rng_state ^= rng_state >> 7, rng_state ^= rng_state << 17;
+    return (float)((double)(rng_state >> 40) / (double)(1 << 23) - 1.0);
+}
+static fvec random_values(int64_t n, uly_dtype t, float scale) {
+    fvec x((size_t)n);
+    for (auto &v : x) v = round_to(t, scale * uniform());
+    return x;
+}
+
+typedef struct inputs {
+    fvec q, k, v, dout;
+} inputs;
+
+/* ---------------------------------------------------------------------------------------------
+   The references: one sequence (b) of dense [S, H, D] arrays. With round_to the dtype after
+   every step this is lowp; with rnd = identity it is ref64. */
+
+typedef struct outputs {
+    dvec o, lse, dq, dk, dv;
+} outputs;
+
+static void reference_seq(const fcase &c, int64_t sq, int64_t sk, const float *q, const float *k,
+                          const float *v, const float *dout, double (*rnd)(uly_dtype, double),
+                          double *o, double *lse, double *dq, double *dk, double *dv) {
+    const int64_t H = c.H, Hkv = c.Hkv, D = c.D;
+    const double scale = 1.0 / sqrt((double)D);
+    dvec s((size_t)sk), p((size_t)sk), dp((size_t)sk);
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t hk = kv_of(c, h);
+        for (int64_t i = 0; i < sq; i++) {
+            const float *qi = q + (i * H + h) * D, *doi = dout + (i * H + h) * D;
+            double mx = -INFINITY;
+            for (int64_t j = 0; j < sk; j++) {
+                const bool kept = !c.causal || j <= i + sk - sq;
+                double dot = 0;
+                for (int64_t d = 0; d < D; d++) dot += (double)qi[d] * k[(j * Hkv + hk) * D + d];
+                s[j] = kept ? rnd(c.dt, dot * scale) : -INFINITY;
+                mx = fmax(mx, s[j]);
+            }
+            double sum = 0;
+            for (int64_t j = 0; j < sk; j++) sum += mx == -INFINITY ? 0 : exp(s[j] - mx);
+            const double l = mx == -INFINITY ? INFINITY : mx + log(sum);
+            lse[h * sq + i] = l;
+            for (int64_t j = 0; j < sk; j++) p[j] = rnd(c.dt, exp(s[j] - l));
+            double dsum = 0;
+            for (int64_t d = 0; d < D; d++) {
+                double acc = 0;
+                for (int64_t j = 0; j < sk; j++) acc += p[j] * v[(j * Hkv + hk) * D + d];
+                o[(i * H + h) * D + d] = rnd(c.dt, acc);
+                dsum += (double)doi[d] * o[(i * H + h) * D + d];
+            }
+            for (int64_t j = 0; j < sk; j++) {
+                double acc = 0;
+                for (int64_t d = 0; d < D; d++) acc += (double)doi[d] * v[(j * Hkv + hk) * D + d];
+                dp[j] = rnd(c.dt, p[j] * (rnd(c.dt, acc) - dsum)); /* dS */
+            }
+            for (int64_t j = 0; j < sk; j++)
+                for (int64_t d = 0; d < D; d++) {
+                    dq[(i * H + h) * D + d] += scale * dp[j] * k[(j * Hkv + hk) * D + d];
+                    dk[(j * Hkv + hk) * D + d] += scale * dp[j] * qi[d];
+                    dv[(j * Hkv + hk) * D + d] += p[j] * doi[d];
+                }
+        }
+    }
+}
+
+static double exact(uly_dtype, double x) { return x; }
+static double rounded(uly_dtype t, double x) { return round_to(t, x); }
+
+/* Documents: cu[b] .. cu[b + 1] rows of the packed arrays (dense: cu = 0, S, 2S, ...). */
+/* lse is [B, H, Sq], or [H, total_q] for varlen. */
+static outputs reference(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
+                         bool varlen, const inputs &in, bool lowp) {
+    const fvec &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
+    outputs r;
+    const int64_t nq = cu_q.back(), nk = cu_k.back(), docs = (int64_t)cu_q.size() - 1;
+    r.o.assign((size_t)(nq * c.H * c.D), 0), r.dq = r.o, r.lse.assign((size_t)(nq * c.H), 0);
+    r.dk.assign((size_t)(nk * c.Hkv * c.D), 0), r.dv = r.dk;
+    dvec lse;
+    for (int64_t b = 0; b < docs; b++) {
+        const int64_t q0 = cu_q[b], k0 = cu_k[b], sq = cu_q[b + 1] - q0, sk = cu_k[b + 1] - k0;
+        const int64_t qo = q0 * c.H * c.D, ko = k0 * c.Hkv * c.D;
+        lse.assign((size_t)(sq * c.H), 0);
+        reference_seq(c, sq, sk, &q[qo], &k[ko], &v[ko], &dout[qo], lowp ? rounded : exact,
+                      &r.o[qo], lse.data(), &r.dq[qo], &r.dk[ko], &r.dv[ko]);
+        for (int64_t h = 0; h < c.H; h++)
+            for (int64_t i = 0; i < sq; i++)
+                r.lse[(size_t)(varlen ? h * nq + q0 + i : (b * c.H + h) * sq + i)] = lse[h * sq + i];
+    }
+    if (lowp)
+        for (dvec *x : {&r.dq, &r.dk, &r.dv})
+            for (auto &e : *x) e = round_to(c.dt, e);
+    return r;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Device tensors: dense, or padded (heads D + 8 apart, rows and batches padded by 8 more). */
+
+typedef struct dev_tensor {
+    uly_tensor t;
+    int64_t elems; /* of the allocation */
+} dev_tensor;
+
+static dev_tensor dev_alloc(uly_dtype dt, int64_t b, int64_t s, int64_t h, int64_t d, int strided) {
+    dev_tensor x;
+    x.t = uly_dense(NULL, dt, b, s, h, d);
+    if (strided) x.t.sh = d + 8, x.t.ss = h * (d + 8) + 8, x.t.sb = s * x.t.ss + 8;
+    x.elems = b * x.t.sb + 8;
+    CHECK(cudaMalloc(&x.t.data, (size_t)(x.elems * uly_dtype_size(dt))) == cudaSuccess, "malloc");
+    CHECK(cudaMemset(x.t.data, 0xff, (size_t)(x.elems * uly_dtype_size(dt))) == cudaSuccess, "set");
+    return x;
+}
+
+static int64_t at(const uly_tensor &t, int64_t b, int64_t s, int64_t h) {
+    return b * t.sb + s * t.ss + h * t.sh;
+}
+
+static uint16_t to_bits(uly_dtype t, float f) {
+    if (t == ULY_BF16) return ((__nv_bfloat16_raw)__float2bfloat16_rn(f)).x;
+    return ((__half_raw)__float2half_rn(f)).x;
+}
+static float from_bits(uly_dtype t, uint16_t bits) {
+    if (t == ULY_BF16) {
+        __nv_bfloat16_raw r;
+        r.x = bits;
+        return __bfloat162float(__nv_bfloat16(r));
+    }
+    __half_raw r;
+    r.x = bits;
+    return __half2float(__half(r));
+}
+
+static void upload(const dev_tensor &x, const fvec &dense) {
+    const uly_tensor &t = x.t;
+    std::vector<uint16_t> host((size_t)x.elems, 0);
+    for (int64_t b = 0; b < t.b; b++)
+        for (int64_t s = 0; s < t.s; s++)
+            for (int64_t h = 0; h < t.h; h++)
+                for (int64_t d = 0; d < t.d; d++) {
+                    const float f = dense[(size_t)(((b * t.s + s) * t.h + h) * t.d + d)];
+                    host[(size_t)(at(t, b, s, h) + d)] = to_bits(t.dtype, f);
+                }
+    cudaMemcpy(t.data, host.data(), host.size() * 2, cudaMemcpyHostToDevice);
+}
+
+static fvec download(const dev_tensor &x) {
+    const uly_tensor &t = x.t;
+    std::vector<uint16_t> host((size_t)x.elems);
+    cudaMemcpy(host.data(), t.data, host.size() * 2, cudaMemcpyDeviceToHost);
+    fvec dense((size_t)(t.b * t.s * t.h * t.d));
+    for (int64_t b = 0; b < t.b; b++)
+        for (int64_t s = 0; s < t.s; s++)
+            for (int64_t h = 0; h < t.h; h++)
+                for (int64_t d = 0; d < t.d; d++) {
+                    dense[(size_t)(((b * t.s + s) * t.h + h) * t.d + d)] =
+                        from_bits(t.dtype, host[(size_t)(at(t, b, s, h) + d)]);
+                }
+    return dense;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   One run of the kernels */
+
+typedef struct run_out {
+    fvec o, lse, dq, dk, dv;
+    bool ok;
+} run_out;
+
+/* Forward and backward of attention `fa` on the device, dense, or (varlen, flash only) packed
+   [1, total, H, D] documents. */
+static run_out run_attn(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
+                        bool varlen, const inputs &in, const uly_attn &fa) {
+    run_out r;
+    const int64_t B = varlen ? 1 : c.B, Sq = varlen ? cu_q.back() : c.Sq;
+    const int64_t Sk = varlen ? cu_k.back() : c.Sk;
+    dev_tensor dq_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided), dk_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided);
+    dev_tensor dv_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided), do_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided);
+    dev_tensor q_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided), o_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided);
+    dev_tensor k_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided), v_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided);
+    upload(q_, in.q), upload(k_, in.k), upload(v_, in.v), upload(do_, in.dout);
+
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = q_.t, a.k = k_.t, a.v = v_.t, a.o = o_.t, a.dout = do_.t, a.dq = dq_.t, a.dk = dk_.t;
+    a.dv = dv_.t, a.causal = c.causal, a.deterministic = c.deterministic;
+    a.q_head0 = c.q_head0, a.kv_group = c.kv_group;
+    const int64_t nlse = B * c.H * Sq;
+    cudaMalloc((void **)&a.lse, (size_t)(nlse > 0 ? nlse : 1) * 4);
+    const int64_t ws = fa.workspace(fa.ctx, &a);
+    cudaMalloc(&a.workspace, (size_t)(ws > 0 ? ws : 1));
+
+    uly_varlen vl;
+    int32_t *cu = NULL;
+    if (varlen) {
+        const size_t n = cu_q.size();
+        cudaMalloc((void **)&cu, 2 * n * 4);
+        cudaMemcpy(cu, cu_q.data(), n * 4, cudaMemcpyHostToDevice);
+        cudaMemcpy(cu + n, cu_k.data(), n * 4, cudaMemcpyHostToDevice);
+        vl.cu_seqlens_q = cu, vl.cu_seqlens_k = cu + n, vl.batch = (int64_t)n - 1;
+        vl.max_seqlen_q = vl.max_seqlen_k = 0;
+        for (size_t b = 0; b + 1 < n; b++) {
+            vl.max_seqlen_q = std::max<int64_t>(vl.max_seqlen_q, cu_q[b + 1] - cu_q[b]);
+            vl.max_seqlen_k = std::max<int64_t>(vl.max_seqlen_k, cu_k[b + 1] - cu_k[b]);
+        }
+    }
+    uly_status st = varlen ? uly_flash_varlen_fwd(&a, &vl) : fa.fwd(fa.ctx, &a);
+    CHECK(st.code == ULY_OK, "forward: %s", st.msg);
+    r.ok = st.code == ULY_OK;
+    if (r.ok) {
+        st = varlen ? uly_flash_varlen_bwd(&a, &vl) : fa.bwd(fa.ctx, &a);
+        CHECK(st.code == ULY_OK, "backward: %s", st.msg);
+        r.ok = st.code == ULY_OK;
+    }
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
+    r.o = download(o_), r.dq = download(dq_), r.dk = download(dk_), r.dv = download(dv_);
+    r.lse.resize((size_t)nlse);
+    cudaMemcpy(r.lse.data(), a.lse, (size_t)nlse * 4, cudaMemcpyDeviceToHost);
+    for (dev_tensor *x : {&q_, &k_, &v_, &o_, &do_, &dq_, &dk_, &dv_}) cudaFree(x->t.data);
+    cudaFree(a.lse), cudaFree(a.workspace), cudaFree(cu);
+    return r;
+}
+
+/* The CPU fp32 reference of ulysses.h on the same (dense) inputs. */
+static outputs run_cpu(const fcase &c, const inputs &in) {
+    const fvec &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
+    fvec o(q.size()), dq(q.size()), dk(k.size()), dv(k.size()), lse((size_t)(c.B * c.H * c.Sq));
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = uly_dense((void *)q.data(), ULY_F32, c.B, c.Sq, c.H, c.D);
+    a.k = uly_dense((void *)k.data(), ULY_F32, c.B, c.Sk, c.Hkv, c.D);
+    a.v = uly_dense((void *)v.data(), ULY_F32, c.B, c.Sk, c.Hkv, c.D);
+    a.o = uly_dense(o.data(), ULY_F32, c.B, c.Sq, c.H, c.D);
+    a.dout = uly_dense((void *)dout.data(), ULY_F32, c.B, c.Sq, c.H, c.D);
+    a.dq = uly_dense(dq.data(), ULY_F32, c.B, c.Sq, c.H, c.D);
+    a.dk = uly_dense(dk.data(), ULY_F32, c.B, c.Sk, c.Hkv, c.D);
+    a.dv = uly_dense(dv.data(), ULY_F32, c.B, c.Sk, c.Hkv, c.D);
+    a.lse = lse.data(), a.causal = c.causal, a.q_head0 = c.q_head0, a.kv_group = c.kv_group;
+    const uly_attn cpu = uly_cpu_attention();
+    std::vector<char> ws((size_t)cpu.workspace(cpu.ctx, &a) + 1);
+    a.workspace = ws.data();
+    uly_status st = cpu.fwd(cpu.ctx, &a);
+    if (!st.code) st = cpu.bwd(cpu.ctx, &a);
+    CHECK(st.code == ULY_OK, "cpu attention: %s", st.msg);
+    outputs r;
+    r.o.assign(o.begin(), o.end()), r.lse.assign(lse.begin(), lse.end());
+    r.dq.assign(dq.begin(), dq.end()), r.dk.assign(dk.begin(), dk.end()), r.dv.assign(dv.begin(), dv.end());
+    return r;
+}
+
+/* Largest |got - want|; a NaN, or an infinity not matched exactly, is +inf. */
+template <typename G, typename W> static double max_err(const G &got, const W &want) {
+    double m = 0;
+    for (size_t i = 0; i < want.size(); i++) {
+        const double g = got[i], w = want[i];
+        const double e = (std::isinf(g) || std::isinf(w)) ? (g == w ? 0 : INFINITY) : fabs(g - w);
+        if (!(e <= m)) m = std::isnan(e) ? INFINITY : e;
+    }
+    return m;
+}
+
+static std::string describe(const fcase &c) {
+    char s[200];
+    snprintf(s, sizeof s, "%s D=%lld B=%lld Sq=%lld Sk=%lld H=%lld Hkv=%lld%s%s%s", dt_name(c.dt),
+             (long long)c.D, (long long)c.B, (long long)c.Sq, (long long)c.Sk, (long long)c.H,
+             (long long)c.Hkv, c.causal ? " causal" : "", c.strided ? " strided" : "",
+             c.deterministic ? " deterministic" : "");
+    return s;
+}
+
+static inputs make_inputs(const fcase &c, int64_t nq, int64_t nk) {
+    const float m = c.magnitude ? c.magnitude : 1.f;
+    inputs in;
+    in.q = random_values(nq * c.H * c.D, c.dt, m), in.k = random_values(nk * c.Hkv * c.D, c.dt, m);
+    in.v = random_values(nk * c.Hkv * c.D, c.dt, 1), in.dout = random_values(nq * c.H * c.D, c.dt, 1);
+    return in;
+}
+
+static std::vector<int> dense_cu(int64_t B, int64_t S) {
+    std::vector<int> cu;
+    for (int64_t b = 0; b <= B; b++) cu.push_back((int)(b * S));
+    return cu;
+}
+
+typedef fvec run_out::*got_field;
+typedef dvec outputs::*want_field;
+static const struct field {
+    const char *name;
+    got_field got;
+    want_field want;
+} fields[] = {{"o", &run_out::o, &outputs::o},
+              {"dq", &run_out::dq, &outputs::dq},
+              {"dk", &run_out::dk, &outputs::dk},
+              {"dv", &run_out::dv, &outputs::dv}};
+
+/* The accuracy rule for every output, against ref64 (and cpu, when given), and lse. */
+static void check_outputs(const fcase &c, const run_out &got, const outputs &r64,
+                          const outputs &low, const outputs *cpu) {
+    for (const field &f : fields) {
+        const double err = max_err(got.*f.got, r64.*f.want), base = max_err(low.*f.want, r64.*f.want);
+        CHECK(err <= 2 * base + 1e-3, "%s: %s max error %.3g > 2 * %.3g + 1e-3 (plain %s)",
+              describe(c).c_str(), f.name, err, base, dt_name(c.dt));
+        if (!cpu) continue;
+        const double cpu_err = max_err(got.*f.got, cpu->*f.want);
+        CHECK(cpu_err <= 2 * base + 1e-3, "%s: %s differs from uly_cpu_attention by %.3g",
+              describe(c).c_str(), f.name, cpu_err);
+    }
+    if (getenv("ULY_FLASH_VERBOSE"))
+        printf("     %s: o %.3g dq %.3g dk %.3g dv %.3g (plain o %.3g dq %.3g)\n", describe(c).c_str(),
+               max_err(got.o, r64.o), max_err(got.dq, r64.dq), max_err(got.dk, r64.dk),
+               max_err(got.dv, r64.dv), max_err(low.o, r64.o), max_err(low.dq, r64.dq));
+    int bad = 0; /* lse: within 1e-3 plus a few fp32 ulps of its magnitude; +inf exactly */
+    for (size_t i = 0; i < r64.lse.size(); i++) {
+        const double g = got.lse[i], w = r64.lse[i];
+        bad += std::isinf(w) ? g != w : !(fabs(g - w) <= 1e-3 + 1e-6 * fabs(w));
+    }
+    CHECK(bad == 0, "%s: %d lse values off (max error %.3g)", describe(c).c_str(), bad,
+          max_err(got.lse, r64.lse));
+}
+
+/* One dense case against ref64, lowp and cpu; returns the kernel's outputs. */
+static run_out check_case(const fcase &c) {
+    const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+    const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
+    const run_out got = run_attn(c, cq, ck, false, in, uly_flash_attention());
+    if (!got.ok) return got;
+    const outputs r64 = reference(c, cq, ck, false, in, false), low = reference(c, cq, ck, false, in, true);
+    const outputs cpu = run_cpu(c, in);
+    check_outputs(c, got, r64, low, &cpu);
+    return got;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The shape matrix: lengths 1, 17, 64, 127, 128, 129 (1000 in a few tests); Sq == Sk and not; GQA groups 1, 2
+   and 8; B > 1; causal and not. */
+static const struct shape {
+    int64_t B, Sq, Sk, H, Hkv;
+    int causal;
+} shapes[] = {
+    {1, 1, 1, 1, 1, 1},      {2, 17, 17, 2, 1, 0}, {1, 64, 64, 2, 2, 1},  {1, 127, 129, 8, 1, 1},
+    {2, 128, 128, 2, 1, 0}, {1, 129, 64, 2, 2, 1}, {1, 17, 129, 1, 1, 0}, {1, 129, 129, 2, 1, 1},
+};
+
+static fcase make_case(const shape &s, int64_t D, uly_dtype dt) {
+    fcase c;
+    memset(&c, 0, sizeof c);
+    c.B = s.B, c.Sq = s.Sq, c.Sk = s.Sk, c.H = s.H, c.Hkv = s.Hkv, c.D = D, c.causal = s.causal;
+    c.dt = dt;
+    return c;
+}
+
+#endif
