@@ -196,6 +196,8 @@ typedef struct uly_mpi {
     MPI_Comm comm;
     int64_t chunk_bytes;
 } uly_mpi;
+/* Sets MPI_ERRORS_RETURN on m->comm, so MPI failures come back as ULY_ECOMM with MPI's message.
+   out points to m, which must outlive it. */
 ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out);
 /* Splits a world into SP groups of sp_size consecutive ranks and DP groups across them. */
 ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp);
@@ -253,7 +255,9 @@ typedef struct uly_layout {
     void *ctx;
 } uly_layout;
 
-ULYDEF uly_layout uly_cpu_layout(void); /* the CPU reference: plain copy loops, any dtype */
+/* The CPU reference: plain copy loops, any dtype; the DKV unpack adds the copies of a kv head
+   shared by ranks in f32 only (ULY_EUNSUPPORTED for bf16/f16 when a kv head is shared). */
+ULYDEF uly_layout uly_cpu_layout(void);
 
 /* ---------------------------------------------------------------------------------------------
    The SP attention layer */
@@ -277,7 +281,8 @@ typedef struct uly_layer {
     void *phase_user;
 } uly_layer;
 
-ULYDEF int64_t uly_layer_workspace(const uly_layer *l); /* scratch for forward or backward */
+/* Scratch for forward or backward; 0 when l cannot be sized (uly_forward says why). */
+ULYDEF int64_t uly_layer_workspace(const uly_layer *l);
 /* Head-layout q, k, v, o and lse: what the forward keeps for the backward. */
 ULYDEF int64_t uly_saved_bytes(const uly_plan *p);
 ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
@@ -425,7 +430,8 @@ static char *uly__at(uly_tensor t, int64_t b, int64_t s, int64_t h) {
 
 /* A slice out of range has no data, so whatever it is passed to rejects it. */
 ULYDEF uly_tensor uly_head_slice(uly_tensor t, int64_t h0, int64_t n) {
-    int ok = t.data && h0 >= 0 && n >= 0 && h0 <= t.h - n && t.sh >= 0;
+    int ok = t.data && n >= 0 && n <= t.h && h0 >= 0 && h0 <= t.h - n &&
+             uly__mul(uly__mul(h0, t.sh), uly_dtype_size(t.dtype)) >= 0;
     t.data = ok ? uly__at(t, 0, 0, h0) : NULL;
     t.h = n;
     return t;
@@ -571,7 +577,9 @@ static uly_tensor uly__head_layout(const uly_plan *p, uly_xchg x, void *data) {
 ULYDEF void uly_exchange_counts(const uly_plan *p, uly_xchg x, int64_t *send_counts,
                                 int64_t *send_offs, int64_t *recv_counts, int64_t *recv_offs) {
     int64_t sent = 0, got = 0;
-    if (!uly__plan_ok(p) || !send_counts || !send_offs || !recv_counts || !recv_offs) return;
+    if (!uly__plan_ok(p) || x < ULY_X_Q || x > ULY_X_DKV || !send_counts || !send_offs ||
+        !recv_counts || !recv_offs)
+        return;
     for (int j = 0; j < p->desc.sp_size; j++) {
         int r = p->sp_rank;
         int64_t seq = uly__bytes(p, uly_tokens(p, r).count, uly__xheads(p, x, j).count);
@@ -641,7 +649,6 @@ static uly_status uly__check_desc(const uly_plan_desc *d) {
                ULY__LL(d->max_bytes));
     return uly__ok();
 }
-
 
 /* ---------------------------------------------------------------------------------------------
    Buffers: what the forward saves for the backward, and the layer's scratch */
@@ -716,8 +723,9 @@ ULYDEF uly_status uly_plan_init(uly_plan *p, const uly_plan_desc *desc) {
     q.group = q.desc.n_heads / q.desc.n_kv_heads;
     q.elem_size = uly_dtype_size(q.desc.dtype);
     /* Every size derived later is at most one of these, so the queries need no checks. */
-    ULY__CHECK(uly__bytes(&q, q.desc.seq_len, uly__add(q.desc.n_heads, uly__mul(2, q.desc.n_kv_heads))) >= 0 &&
-                   uly_saved_bytes(&q) >= 0 && uly__work_at(&q, NULL, &w) >= 0,
+    int64_t heads = uly__add(q.desc.n_heads, uly__mul(2, q.desc.n_kv_heads));
+    int64_t fused = uly__bytes(&q, q.desc.seq_len, heads);
+    ULY__CHECK(fused >= 0 && uly_saved_bytes(&q) >= 0 && uly__work_at(&q, NULL, &w) >= 0,
                ULY_EOVERFLOW,
                "batch (%lld) x seq_len (%lld) x heads (%lld + 2 x %lld) x head_dim (%lld) x "
                "%lld bytes overflows int64", ULY__LL(q.desc.batch), ULY__LL(q.desc.seq_len),
@@ -731,9 +739,9 @@ ULYDEF uly_status uly_plan_init(uly_plan *p, const uly_plan_desc *desc) {
 /* ---------------------------------------------------------------------------------------------
    Communicators */
 
-/* The local rules of an alltoallv call: arrays present, counts and offsets nonnegative and
-   within max_bytes, buffers present where bytes move. */
-static uly_status uly__check_counts(int P, int64_t max_bytes, const void *send, const int64_t *sc,
+/* The local rules of an alltoallv call: arrays present, counts and offsets nonnegative, buffers
+   present where bytes move. */
+static uly_status uly__check_counts(int P, const void *send, const int64_t *sc,
                                     const int64_t *so, const void *recv, const int64_t *rc,
                                     const int64_t *ro) {
     ULY__CHECK(sc && so && rc && ro, ULY_EINVAL, "alltoallv: a count or offset array is NULL");
@@ -742,9 +750,6 @@ static uly_status uly__check_counts(int P, int64_t max_bytes, const void *send, 
                    "alltoallv: peer %d: send %lld bytes at %lld, recv %lld at %lld: counts and "
                    "offsets must be >= 0 and their sums fit int64", j, ULY__LL(sc[j]),
                    ULY__LL(so[j]), ULY__LL(rc[j]), ULY__LL(ro[j]));
-        ULY__CHECK(!max_bytes || uly__max(sc[j], rc[j]) <= max_bytes, ULY_EOVERFLOW,
-                   "alltoallv: peer %d: %lld bytes > max_bytes (%lld)", j,
-                   ULY__LL(uly__max(sc[j], rc[j])), ULY__LL(max_bytes));
         ULY__CHECK((send || !sc[j]) && (recv || !rc[j]), ULY_EINVAL,
                    "alltoallv: %s is NULL but peer %d has bytes in it", send ? "recv" : "send", j);
     }
@@ -814,7 +819,8 @@ static uly_status uly__same_op(const uly__world *w) {
 
 /* A rank that cannot take part breaks the world and returns its own error. */
 static uly_status uly__give_up(uly__rank *me, uly_status why) {
-    uly__break(me->w, uly__err(ULY_ECOMM, "local comm: rank %d failed: %s", me->comm.rank, why.msg));
+    uly__break(me->w,
+               uly__err(ULY_ECOMM, "local comm: rank %d failed: %s", me->comm.rank, why.msg));
     return why;
 }
 
@@ -827,7 +833,7 @@ static uly_status uly__local_alltoallv(void *ctx, const void *send, const int64_
     uly__rank *me = (uly__rank *)ctx;
     uly__world *w = me->w;
     int P = w->size, r = me->comm.rank;
-    uly_status st = uly__check_counts(P, 0, send, send_counts, send_offs, recv, recv_counts,
+    uly_status st = uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts,
                                       recv_offs);
     (void)stream;
     if (st.code) return uly__give_up(me, st);
@@ -987,7 +993,7 @@ static uly_status uly__mpi_alltoallv(void *ctx, const void *send, const int64_t 
     MPI_Datatype type;
     (void)stream;
     ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &P), "MPI_Comm_size"));
-    ULY__TRY(uly__check_counts(P, 0, send, send_counts, send_offs, recv, recv_counts, recv_offs));
+    ULY__TRY(uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs));
     for (int a = 0; a < 4; a++)
         for (int j = 0; j < P; j++) bits |= all[a][j];
     unit = bits ? uly__min(bits & -bits, 1 << 30) : 1;
@@ -1100,8 +1106,8 @@ static uly_status uly__cpu_move(const uly_plan *p, uly_xchg x, int pack, uly_ten
     ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "layout: exchange (%d) is not a "
                "uly_xchg", (int)x);
     int seq = pack == uly__to_head(x), sum = !pack && x == ULY_X_DKV;
-    const char *name = pack ? "layout: pack src" : "layout: unpack dst";
-    ULY__TRY(uly__check_like(name, t, seq ? uly__seq_layout(p, x, NULL) : uly__head_layout(p, x, NULL)));
+    uly_tensor want = seq ? uly__seq_layout(p, x, NULL) : uly__head_layout(p, x, NULL);
+    ULY__TRY(uly__check_like(pack ? "layout: pack src" : "layout: unpack dst", t, want));
     ULY__CHECK(buf, ULY_EINVAL, "layout: %s is NULL", pack ? "send" : "recv");
     ULY__CHECK(!sum || t.dtype == ULY_F32 || !uly__kv_shared(p), ULY_EUNSUPPORTED,
                "layout: dtype %s: the CPU layout sums the gradient copies of a kv head shared "
@@ -1210,7 +1216,8 @@ typedef struct uly__scratch {
 
 /* Lays it out from base (NULL: sizes only); returns its bytes, -1 on overflow. */
 static int64_t uly__scratch_at(const uly_attn_args *a, void *base, uly__scratch *s) {
-    int64_t sp = a->k.s > INT64_MAX - ULY__KEYS ? -1 : (a->k.s + ULY__KEYS - 1) / ULY__KEYS * ULY__KEYS;
+    int64_t sp = uly__add(a->k.s, ULY__KEYS - 1);
+    sp = sp < 0 ? -1 : sp / ULY__KEYS * ULY__KEYS;
     int64_t t = uly__mul(a->q.d, sp), g = uly__mul(a->q.d, a->k.s), tile = uly__mul(ULY__TILE, sp);
     float **part[8] = {&s->kt, &s->vt, &s->gk, &s->gv, &s->hk, &s->hv, &s->p, &s->dp};
     int64_t floats[8] = {t, t, g, g, g, g, tile, tile}, at = 0;
@@ -1249,7 +1256,8 @@ static uly_tensor uly__head_of(uly_tensor t, int64_t b, int64_t h) {
 
 /* K (or V) of kv head h in batch b, transposed to [D][sp]. */
 static void uly__transpose(float *out, int64_t sp, uly_tensor k, int64_t b, int64_t h) {
-    for (int64_t d = 0; d < k.d; d++) memset(out + d * sp + k.s, 0, (size_t)(sp - k.s) * sizeof *out);
+    for (int64_t d = 0; d < k.d; d++)
+        memset(out + d * sp + k.s, 0, (size_t)(sp - k.s) * sizeof *out);
     for (int64_t j = 0; j < k.s; j++) {
         const float *row = uly__f32(k, b, j, h);
         for (int64_t d = 0; d < k.d; d++) out[d * sp + j] = row[d];
@@ -1279,7 +1287,8 @@ static uly__tile uly__tile_at(const uly_attn_args *a, const uly__scratch *s, int
     t.a = a, t.s = s, t.b = b, t.i = i, t.kh = uly__kv_of(a, i), t.r0 = r0;
     t.R = uly__min(ULY__TILE, a->q.s - r0);
     t.keys = 0;
-    for (int64_t r = 0; r < t.R; r++) t.n[r] = uly__keys(a, r0 + r), t.keys = uly__max(t.keys, t.n[r]);
+    for (int64_t r = 0; r < t.R; r++)
+        t.n[r] = uly__keys(a, r0 + r), t.keys = uly__max(t.keys, t.n[r]);
     return t;
 }
 
@@ -1321,7 +1330,8 @@ static void uly__fwd_tile(const uly__tile *t) {
     for (int64_t j = 0; j < t->keys; j++) { /* o += p_j v_j */
         const float *v = uly__f32(a->v, t->b, j, t->kh);
         for (int64_t r = 0; r < t->R; r++)
-            if (j < t->n[r]) uly__axpy(D, t->s->p[r * sp + j], v, uly__f32(a->o, t->b, t->r0 + r, t->i));
+            if (j < t->n[r])
+                uly__axpy(D, t->s->p[r * sp + j], v, uly__f32(a->o, t->b, t->r0 + r, t->i));
     }
     for (int64_t r = 0; r < t->R; r++) {
         float *o = uly__f32(a->o, t->b, t->r0 + r, t->i);
@@ -1340,9 +1350,11 @@ static void uly__bwd_tile(const uly__tile *t) {
     uly__tile_dots(t, a->dout, t->s->vt, t->s->dp);
     for (int64_t r = 0; r < t->R; r++) {
         const int64_t row = t->r0 + r;
-        const float *o = uly__f32(a->o, t->b, row, t->i), *dout = uly__f32(a->dout, t->b, row, t->i);
+        const float *o = uly__f32(a->o, t->b, row, t->i);
+        const float *dout = uly__f32(a->dout, t->b, row, t->i);
         const float lse = a->lse[(t->b * a->q.h + t->i) * a->q.s + row];
-        float *p = t->s->p + r * sp, *ds = t->s->dp + r * sp, *dq = uly__f32(a->dq, t->b, row, t->i);
+        float *p = t->s->p + r * sp, *ds = t->s->dp + r * sp;
+        float *dq = uly__f32(a->dq, t->b, row, t->i);
         float dsum = 0;
         for (int64_t d = 0; d < D; d++) dq[d] = 0, dsum += dout[d] * o[d];
         for (int64_t j = 0; j < t->n[r]; j++)

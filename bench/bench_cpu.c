@@ -45,7 +45,8 @@ static double best_layout(const uly_plan *p, uly_xchg x, int pack, uly_tensor t,
     double best = 1e30;
     for (int i = 0; i < REPS; i++) {
         double s = now();
-        uly_status st = pack ? l.pack(l.ctx, p, x, t, buf, NULL) : l.unpack(l.ctx, p, x, buf, t, NULL);
+        uly_status st = pack ? l.pack(l.ctx, p, x, t, buf, NULL)
+                             : l.unpack(l.ctx, p, x, buf, t, NULL);
         s = now() - s;
         if (st.code) fprintf(stderr, "bench_cpu: %s\n", st.msg), exit(1);
         if (s < best) best = s;
@@ -58,7 +59,10 @@ int main(int argc, char **argv) {
     const char *opts = "shkdbp";
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *o = argv[i][0] == '-' ? strchr(opts, argv[i][1]) : NULL;
-        if (!o || !argv[i][1]) return fprintf(stderr, "usage: bench_cpu [-s S] [-h H] [-k Hkv] [-d D] [-b B] [-p P]\n"), 2;
+        if (!o || !argv[i][1]) {
+            fprintf(stderr, "usage: bench_cpu [-s S] [-h H] [-k Hkv] [-d D] [-b B] [-p P]\n");
+            return 2;
+        }
         v[o - opts] = atoll(argv[i + 1]);
     }
     uly_plan p;
@@ -92,8 +96,9 @@ int main(int argc, char **argv) {
             int64_t bytes = pack ? sent : got;
             double tl = best_layout(&p, (uly_xchg)x, pack, t, buf);
             double tm = best_memcpy(buf, t.data, bytes);
-            printf("  %-8s  %-7s  %7.1f  %11.2f  %11.2f  %5.2f\n", names[x], pack ? "pack" : "unpack",
-                   bytes / 1e6, bytes / tl / 1e9, bytes / tm / 1e9, tm / tl);
+            printf("  %-8s  %-7s  %7.1f  %11.2f  %11.2f  %5.2f\n", names[x],
+                   pack ? "pack" : "unpack", bytes / 1e6, bytes / tl / 1e9, bytes / tm / 1e9,
+                   tm / tl);
         }
         free(seq), free(head), free(buf);
     }

@@ -58,9 +58,10 @@ int main(int argc, char **argv) {
         const int64_t *cp[4] = {cnt[0], cnt[1], cnt[2], cnt[3]};
         const int *ip[4] = {icnt[0], icnt[1], icnt[2], icnt[3]};
         int64_t bytes = uly_send_bytes(&p, ULY_X_Q);
-        char *send = (char *)malloc((size_t)bytes), *recv = (char *)malloc((size_t)uly_recv_bytes(&p, ULY_X_Q));
-        memset(send, rank, (size_t)bytes);
-        memset(recv, 0, (size_t)uly_recv_bytes(&p, ULY_X_Q));
+        int64_t got = uly_recv_bytes(&p, ULY_X_Q);
+        char *send = (char *)malloc((size_t)bytes), *recv = (char *)malloc((size_t)got);
+        memset(send, rank, (size_t)bytes); /* touch every page before timing */
+        memset(recv, 0, (size_t)got);
         double best[2] = {1e30, 1e30};
         for (int i = 0; i < REPS; i++) /* interleaved, so both see the same machine */
             for (int raw = 1; raw >= 0; raw--) {
