@@ -228,6 +228,13 @@ endif
 GPU_TESTS += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
 GPU_BINS  += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
 
+# TFLOP/s against PyTorch's SDPA, results under bench/ (bench/run_attn.sh says which files).
+$(BUILD)/gpu/bench_attn: bench/bench_attn.cu $(FLASH_HDRS)
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@
+GPU_BINS    += $(BUILD)/gpu/bench_attn
+GPU_BENCHES += 'bench/run_attn.sh $(BUILD)/gpu/bench_attn $(PYTHON)'
+
 # --- top-level targets ---
 test: $(TEST_BINS)
 	@STRICT=$(STRICT) tests/run.sh $(TESTS)

@@ -92,6 +92,21 @@ template <> struct uly__fa_traits<128> {
     struct dq { enum { BM = 64, BN = 64, WARPS = 4 }; };
 };
 
+/* Dynamic shared memory of each kernel, in bytes (the layouts are in the kernels). */
+template <int D> constexpr size_t uly__fa_fwd_smem() {
+    using F = typename uly__fa_traits<D>::fwd;
+    return (size_t)(F::BM + 2 * F::BN) * D * 2;
+}
+template <int D> constexpr size_t uly__fa_bwd_kv_smem(bool dq_atomic) {
+    using B = typename uly__fa_traits<D>::bwd;
+    return (size_t)(2 * B::BN * D + 4 * B::BM * D + (dq_atomic ? B::BN * B::BM : 0)) * 2 +
+           4 * B::BM * sizeof(float);
+}
+template <int D> constexpr size_t uly__fa_bwd_q_smem() {
+    using Q = typename uly__fa_traits<D>::dq;
+    return (size_t)(2 * Q::BM + 4 * Q::BN) * D * 2;
+}
+
 /* Everything a kernel needs, by value in its parameters. Tensors are uly_tensor views; for
    varlen, b is 0 and rows are offset by cu_seqlens. lse, Dsum and the dQ accumulator of query
    row i of head h in batch b sit at b * lse_sb + h * lse_sh + i (times D for dQ). */
@@ -818,7 +833,7 @@ static uly_status uly__fa_fwd_run(const uly__fa_params &p, int batch, int64_t ma
     using F = typename uly__fa_traits<D>::fwd;
     return uly__fa_launch(uly__flash_fwd<T, D>, "uly__flash_fwd",
                           dim3(uly__fa_cdiv(max_sq, F::BM), (unsigned)p.q.h, batch), F::WARPS * 32,
-                          (size_t)(F::BM + 2 * F::BN) * D * 2, stream, p);
+                          uly__fa_fwd_smem<D>(), stream, p);
 }
 
 /* Pre-pass, then either the atomic dQ kernel and the post-pass, or (deterministic) the dK/dV
@@ -831,8 +846,7 @@ static uly_status uly__fa_bwd_run(const uly__fa_params &p, int batch, int64_t ma
     const bool atomic = p.dq_acc != NULL;
     const dim3 rows(uly__fa_cdiv(max_sq, 4), (unsigned)p.q.h, batch);
     const dim3 keys(uly__fa_cdiv(max_sk, B::BN), (unsigned)p.k.h, batch);
-    const size_t kv_smem = (size_t)(2 * B::BN * D + 4 * B::BM * D + (atomic ? B::BN * B::BM : 0)) *
-                               2 + 4 * B::BM * sizeof(float);
+    const size_t kv_smem = uly__fa_bwd_kv_smem<D>(atomic);
     ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre", rows, 128, 0, stream, p));
     if (atomic) {
         ULY__TRY(uly__fa_launch(uly__flash_bwd_kv<T, D, true>, "uly__flash_bwd_kv", keys,
@@ -844,7 +858,7 @@ static uly_status uly__fa_bwd_run(const uly__fa_params &p, int batch, int64_t ma
                             B::WARPS * 32, kv_smem, stream, p));
     return uly__fa_launch(uly__flash_bwd_q<T, D>, "uly__flash_bwd_q",
                           dim3(uly__fa_cdiv(max_sq, Q::BM), (unsigned)p.q.h, batch), Q::WARPS * 32,
-                          (size_t)(2 * Q::BM + 4 * Q::BN) * D * 2, stream, p);
+                          uly__fa_bwd_q_smem<D>(), stream, p);
 }
 
 /* Both directions, dense (vl NULL) or varlen. */

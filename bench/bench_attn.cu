@@ -1,0 +1,112 @@
+/* bench_attn.cu - TFLOP/s of the flash kernels (make bench-gpu; GPU only).
+
+   FlashAttention's shapes and FLOP convention: bf16, B * S = 16K tokens, S = 1K .. 32K, H * D =
+   2048, D = 64 and 128, causal and not; forward 4 * B * S^2 * H * D FLOPs, halved when causal;
+   backward 2.5x the forward. Each point is the median of 10 timed runs after 2 warm-ups.
+   Prints CSV (impl,d,causal,seq,batch,heads,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops) on stdout and,
+   on stderr, each kernel's registers and shared memory. bench/bench_sdpa.py prints the same for
+   PyTorch; bench/plot_attn.py draws them side by side. */
+#define ULYSSES_IMPLEMENTATION
+#include "../ulysses_cuda.cuh"
+
+#include <algorithm>
+#include <stdio.h>
+#include <vector>
+
+#define CUDA_OK(x)                                                                             \
+    do {                                                                                       \
+        cudaError_t e_ = (x);                                                                  \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                           \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+static void kernel_info(const char *name, const void *fn, size_t dyn_smem) {
+    cudaFuncAttributes at;
+    CUDA_OK(cudaFuncGetAttributes(&at, fn));
+    fprintf(stderr, "%-28s %3d registers, %6zu bytes shared (dynamic), %zu spilled\n", name,
+            at.numRegs, dyn_smem, at.localSizeBytes);
+}
+
+template <int D> static void kernel_table(void) {
+    typedef __nv_bfloat16 T;
+    char name[64];
+    snprintf(name, sizeof name, "fwd D=%d", D);
+    kernel_info(name, (const void *)uly__flash_fwd<T, D>, uly__fa_fwd_smem<D>());
+    snprintf(name, sizeof name, "bwd dK dV + atomic dQ D=%d", D);
+    kernel_info(name, (const void *)uly__flash_bwd_kv<T, D, true>, uly__fa_bwd_kv_smem<D>(true));
+    snprintf(name, sizeof name, "bwd dK dV (determ.) D=%d", D);
+    kernel_info(name, (const void *)uly__flash_bwd_kv<T, D, false>, uly__fa_bwd_kv_smem<D>(false));
+    snprintf(name, sizeof name, "bwd dQ (determ.) D=%d", D);
+    kernel_info(name, (const void *)uly__flash_bwd_q<T, D>, uly__fa_bwd_q_smem<D>());
+}
+
+__global__ void fill(__nv_bfloat16 *x, int64_t n, uint32_t seed) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+        x[i] = __float2bfloat16((float)(h & 0xffff) / 32768.f - 1.f);
+    }
+}
+
+/* Median milliseconds of fn over 10 runs after 2 warm-ups. */
+template <typename F> static double time_ms(F fn) {
+    cudaEvent_t a, b;
+    CUDA_OK(cudaEventCreate(&a));
+    CUDA_OK(cudaEventCreate(&b));
+    std::vector<float> ms;
+    for (int i = 0; i < 12; i++) {
+        CUDA_OK(cudaEventRecord(a));
+        fn();
+        CUDA_OK(cudaEventRecord(b));
+        CUDA_OK(cudaEventSynchronize(b));
+        float t;
+        CUDA_OK(cudaEventElapsedTime(&t, a, b));
+        if (i >= 2) ms.push_back(t);
+    }
+    cudaEventDestroy(a), cudaEventDestroy(b);
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+}
+
+int main(void) {
+    kernel_table<64>();
+    kernel_table<128>();
+    const int64_t tokens = 16384, width = 2048;
+    printf("impl,d,causal,seq,batch,heads,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops\n");
+    for (int64_t D : {64, 128})
+        for (int causal : {0, 1})
+            for (int64_t S = 1024; S <= 32768; S *= 2) {
+                const int64_t B = tokens / S, H = width / D, n = B * S * H * D;
+                std::vector<__nv_bfloat16 *> buf(8);
+                for (auto &p : buf) {
+                    CUDA_OK(cudaMalloc(&p, (size_t)n * 2));
+                    fill<<<1024, 256>>>(p, n, (uint32_t)(&p - buf.data()) * 977u + 1u);
+                }
+                uly_attn_args a;
+                memset(&a, 0, sizeof a);
+                a.q = uly_dense(buf[0], ULY_BF16, B, S, H, D), a.k = a.q, a.v = a.q, a.o = a.q;
+                a.k.data = buf[1], a.v.data = buf[2], a.o.data = buf[3];
+                a.dout = a.q, a.dout.data = buf[4], a.dq = a.q, a.dq.data = buf[5];
+                a.dk = a.q, a.dk.data = buf[6], a.dv = a.q, a.dv.data = buf[7];
+                a.causal = causal;
+                CUDA_OK(cudaMalloc((void **)&a.lse, (size_t)(B * H * S) * 4));
+                const uly_attn fa = uly_flash_attention();
+                CUDA_OK(cudaMalloc(&a.workspace, (size_t)fa.workspace(fa.ctx, &a)));
+                uly_status st = fa.fwd(fa.ctx, &a);
+                if (st.code) fprintf(stderr, "forward: %s\n", st.msg), exit(1);
+                const double fwd = time_ms([&] { fa.fwd(fa.ctx, &a); });
+                const double bwd = time_ms([&] { fa.bwd(fa.ctx, &a); });
+                CUDA_OK(cudaGetLastError());
+                const double flops = 4.0 * B * S * S * H * D / (causal ? 2 : 1);
+                printf("ulysses,%lld,%d,%lld,%lld,%lld,%.3f,%.3f,%.1f,%.1f\n", (long long)D, causal,
+                       (long long)S, (long long)B, (long long)H, fwd, bwd, flops / fwd * 1e-9,
+                       2.5 * flops / bwd * 1e-9);
+                fflush(stdout);
+                for (auto p : buf) cudaFree(p);
+                cudaFree(a.lse), cudaFree(a.workspace);
+            }
+    return 0;
+}

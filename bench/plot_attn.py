@@ -1,0 +1,49 @@
+"""plot_attn.py OURS.csv SDPA.csv - bench_attn.cu and bench_sdpa.py side by side: a markdown
+table (TFLOP/s and the ratio to PyTorch) on stdout and, when matplotlib is installed,
+bench/attention.png (forward and backward TFLOP/s against S, one panel per D and mask)."""
+import csv
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        return {(r["impl"], int(r["d"]), int(r["causal"]), int(r["seq"])): r for r in csv.DictReader(f)}
+
+
+def main():
+    rows = {**load(sys.argv[1]), **load(sys.argv[2])}
+    keys = sorted({k[1:] for k in rows})
+    print("| D | causal | S | fwd ours | fwd sdpa | ratio | bwd ours | bwd sdpa | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d, causal, s in keys:
+        ours, ref = rows.get(("ulysses", d, causal, s)), rows.get(("sdpa", d, causal, s))
+        if not ours or not ref:
+            continue
+        f0, f1 = float(ours["fwd_tflops"]), float(ref["fwd_tflops"])
+        b0, b1 = float(ours["bwd_tflops"]), float(ref["bwd_tflops"])
+        print(f"| {d} | {causal} | {s} | {f0:.0f} | {f1:.0f} | {f0 / f1:.2f} | {b0:.0f} | {b1:.0f} | {b0 / b1:.2f} |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no bench/attention.png", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
+    for col, (d, causal) in enumerate([(64, 0), (64, 1), (128, 0), (128, 1)]):
+        for row, pas in enumerate(("fwd", "bwd")):
+            ax = axes[row][col]
+            for impl in ("ulysses", "sdpa"):
+                pts = sorted((k[3], float(r[pas + "_tflops"])) for k, r in rows.items()
+                             if k[:3] == (impl, d, causal))
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{pas} D={d} {'causal' if causal else 'full'}")
+            ax.set_ylabel("TFLOP/s")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig("bench/attention.png", dpi=100)
+
+
+if __name__ == "__main__":
+    main()
