@@ -193,6 +193,51 @@ BENCHES    += $(BUILD)/bench_emu
 BENCH_BINS += $(BUILD)/bench_emu
 
 # --- cuda ---
+# The GPU layer (wip/cuda_layout.cuh): layout kernels, device-local and NCCL communicators, the
+# reference attention. test_cuda_layout and test_cuda_layer run under the emulator, plain and
+# ASan (make test), and on a GPU (make test-gpu). make test also builds them and the NCCL example
+# with nvcc for sm_80 and sm_90 (-Werror, -lnccl) and fails if a layout kernel spills.
+# The layer test's virtual ranks launch from several threads; the emulator runs them with one
+# thread per launch (ULY_EMU_THREADS=1) until its pool takes concurrent launches.
+CUDA_HDRS  = ulysses.h ulysses_cuda.cuh wip/cuda_layout.cuh wip/cuda_flash.cuh tests/ref64.h \
+             tests/sp_case.h $(EMU_HDRS)
+CUDA_TESTS = test_cuda_layout test_cuda_layer
+HAVE_NCCL := $(shell test -f $(CUDA_HOME)/include/nccl.h -o -f /usr/include/nccl.h && echo 1)
+NGPUS     := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
+MPI_CUFLAGS = $(shell $(MPICC) --showme:compile 2>/dev/null)
+MPI_CULIBS  = $(shell $(MPICC) --showme:link 2>/dev/null)
+
+$(CUDA_TESTS:%=$(BUILD)/%): $(BUILD)/%: tests/%.cu $(CUDA_HDRS) $(EMU_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
+$(CUDA_TESTS:%=$(BUILD)/asan/%): $(BUILD)/asan/%: tests/%.cu $(CUDA_HDRS) $(EMU_ASAN_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
+$(CUDA_TESTS:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: tests/%.cu $(CUDA_HDRS)
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
+$(BUILD)/gpu/sp_attention_nccl: examples/sp_attention_nccl.cu ulysses.h ulysses_cuda.cuh wip/cuda_layout.cuh wip/cuda_flash.cuh
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCCFLAGS) $(NVARCH) $(MPI_CUFLAGS) -x cu $< -o $@ $(MPI_CULIBS) -lnccl
+
+TESTS     += $(BUILD)/test_cuda_layout $(BUILD)/asan/test_cuda_layout
+TESTS     += 'env ULY_EMU_THREADS=1 $(BUILD)/test_cuda_layer'
+TESTS     += 'env ULY_EMU_THREADS=1 $(BUILD)/asan/test_cuda_layer'
+TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)
+ifeq ($(HAVE_NVCC),1)
+TESTS     += 'tests/ptxas_spills.sh $(BUILD)/gpu/test_cuda_layout.ptxas uly__box_copy'
+TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
+else
+TESTS     += 'skip:layout kernel build and spill check (no nvcc)'
+endif
+ifeq ($(HAVE_NVCC)$(HAVE_MPI)$(HAVE_NCCL),111)
+TEST_BINS += $(BUILD)/gpu/sp_attention_nccl
+else
+TESTS     += 'skip:NCCL example build (needs nvcc, $(MPICC) and nccl.h)'
+endif
+GPU_TESTS += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
+GPU_TESTS += 'timeout 600 env $(MPIRUN) -np $(NGPUS) $(BUILD)/gpu/sp_attention_nccl && echo "1 passed, 0 failed"'
+GPU_BINS  += $(CUDA_TESTS:%=$(BUILD)/gpu/%) $(BUILD)/gpu/sp_attention_nccl
 
 # --- attention kernels ---
 # The flash kernels (wip/cuda_flash.cuh). test_flash checks them against fp64, plain-precision

@@ -1,0 +1,536 @@
+/* test_cuda_layer.cu - the SP attention layer on the GPU: ulysses.h's driver with
+   uly_cuda_layout, the device-local communicator (P virtual ranks on one GPU) and
+   uly_cuda_reference_attention.
+
+   - The reference attention agrees with uly_cpu_attention (fp32 within 2e-6; bf16 and f16
+     against the CPU on the same rounded inputs, within their rounding), including Sq != Sk,
+     rows that keep no key (0 and lse = +inf), and a GQA group split at q_head0.
+   - The layer over P = 1..4 virtual ranks, forward and backward, in each dtype: its forward is
+     bit-identical to the same attention run unsharded (the layer only moves data), its backward
+     within one rounding of it (the gradient copies of a split GQA group are summed in another
+     order), and in fp32 it agrees with the unsharded CPU reference within 2e-6. Errors are
+     relative: |got - want| / (1 + |want|).
+   - The device-local communicator on its own: bytes land where the counts say, allreduce sums
+     host or device memory, and mismatched counts are an error on every rank, not a hang.
+   - Bad input to the layer is a named error.
+   Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu). */
+#include "emu/cuda_emu.h"
+#define ULYSSES_IMPLEMENTATION
+#include "../ulysses_cuda.cuh"
+#include "check.h"
+#include "ref64.h"
+#include "sp_case.h"
+
+static const char *const outputs[] = {"out", "lse", "dq", "dk", "dv"};
+
+static const char *dtype_name(uly_dtype t) {
+    return t == ULY_F32 ? "f32" : t == ULY_BF16 ? "bf16" : "f16";
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Host floats <-> device tensors of any dtype */
+
+static float round_to(uly_dtype t, float x) {
+    if (t == ULY_BF16) return __bfloat162float(__float2bfloat16_rn(x));
+    if (t == ULY_F16) return __half2float(__float2half_rn(x));
+    return x;
+}
+
+static void round_all(float *x, int64_t n, uly_dtype t) {
+    for (int64_t i = 0; i < n; i++) x[i] = round_to(t, x[i]);
+}
+
+/* n values of dtype t on the device, from host floats (NULL: left uninitialized). */
+static void *to_dev(const float *x, int64_t n, uly_dtype t) {
+    int64_t es = uly_dtype_size(t);
+    char *tmp = (char *)malloc((size_t)(n * es + 1));
+    void *d = NULL;
+    for (int64_t i = 0; x && i < n; i++) {
+        if (t == ULY_F32) memcpy(tmp + 4 * i, &x[i], 4);
+        else if (t == ULY_BF16) ((__nv_bfloat16 *)tmp)[i] = __float2bfloat16_rn(x[i]);
+        else ((__half *)tmp)[i] = __float2half_rn(x[i]);
+    }
+    CHECK(cudaMalloc(&d, (size_t)(n * es + 1)) == cudaSuccess, "cudaMalloc");
+    if (x) cudaMemcpy(d, tmp, (size_t)(n * es), cudaMemcpyHostToDevice);
+    free(tmp);
+    return d;
+}
+
+static void from_dev(float *x, const void *d, int64_t n, uly_dtype t) {
+    int64_t es = uly_dtype_size(t);
+    char *tmp = (char *)malloc((size_t)(n * es + 1));
+    CHECK(cudaMemcpy(tmp, d, (size_t)(n * es), cudaMemcpyDeviceToHost) == cudaSuccess,
+          "cudaMemcpy back");
+    for (int64_t i = 0; i < n; i++)
+        x[i] = t == ULY_F32 ? ((float *)tmp)[i]
+               : t == ULY_BF16 ? __bfloat162float(((__nv_bfloat16 *)tmp)[i])
+                               : __half2float(((__half *)tmp)[i]);
+    free(tmp);
+}
+
+/* The device twin of host view v into the buffer at host: same shape and strides. */
+static uly_tensor on_dev(uly_tensor v, const float *host, void *dev, uly_dtype t) {
+    v.data = (char *)dev + ((const float *)v.data - host) * uly_dtype_size(t);
+    v.dtype = t;
+    return v;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The reference attention, unsharded, on device copies of full float tensors */
+
+static uly_status gpu_attention(const sp_case *c, uly_dtype t, sp_full *f, int backward) {
+    int64_t nq = sp_nq(c), nkv = sp_nkv(c);
+    void *q = to_dev(f->q, nq, t), *k = to_dev(f->k, nkv, t), *v = to_dev(f->v, nkv, t);
+    void *o = to_dev(NULL, nq, t), *dout = to_dev(f->dout, nq, t), *dq = to_dev(NULL, nq, t);
+    void *dk = to_dev(NULL, nkv, t), *dv = to_dev(NULL, nkv, t), *lse = NULL, *ws = NULL;
+    uly_attn attn = uly_cuda_reference_attention();
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = uly_dense(q, t, c->B, c->S, c->H, c->D);
+    a.k = uly_dense(k, t, c->B, c->S, c->Hkv, c->D);
+    a.v = uly_dense(v, t, c->B, c->S, c->Hkv, c->D);
+    a.o = uly_dense(o, t, c->B, c->S, c->H, c->D);
+    a.dout = uly_dense(dout, t, c->B, c->S, c->H, c->D);
+    a.dq = uly_dense(dq, t, c->B, c->S, c->H, c->D);
+    a.dk = uly_dense(dk, t, c->B, c->S, c->Hkv, c->D);
+    a.dv = uly_dense(dv, t, c->B, c->S, c->Hkv, c->D);
+    a.softmax_scale = c->scale;
+    a.causal = c->causal;
+    cudaMalloc(&lse, (size_t)sp_nlse(c) * 4);
+    cudaMalloc(&ws, (size_t)attn.workspace(attn.ctx, &a) + 1);
+    a.lse = (float *)lse;
+    a.workspace = ws;
+    uly_status st = attn.fwd(attn.ctx, &a);
+    if (!st.code && backward) st = attn.bwd(attn.ctx, &a);
+    cudaDeviceSynchronize();
+    from_dev(f->out, o, nq, t);
+    from_dev(f->lse, lse, sp_nlse(c), ULY_F32);
+    if (backward) {
+        from_dev(f->dq, dq, nq, t);
+        from_dev(f->dk, dk, nkv, t);
+        from_dev(f->dv, dv, nkv, t);
+    }
+    void *all[] = {q, k, v, o, dout, dq, dk, dv, lse, ws};
+    for (int i = 0; i < 10; i++) cudaFree(all[i]);
+    return st;
+}
+
+/* The largest |a - b| / (1 + |b|), or NaN if any element is NaN. */
+static double maxdiff(const float *a, const float *b, int64_t n) {
+    double m = 0;
+    for (int64_t i = 0; i < n && m == m; i++) {
+        double d = fabs((double)a[i] - (double)b[i]) / (1 + fabs((double)b[i]));
+        if (!(d <= m)) m = d;
+    }
+    return m;
+}
+
+static int64_t bitdiff(const float *a, const float *b, int64_t n) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) k += memcmp(&a[i], &b[i], 4) != 0;
+    return k;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The reference attention against uly_cpu_attention */
+
+static void check_attention(sp_case c, uly_dtype t, double tol) {
+    sp_full g = sp_alloc(&c, 42), cpu = sp_alloc(&c, 42);
+    sp_full *both[2] = {&g, &cpu};
+    for (int i = 0; i < 2; i++) { /* the same inputs, representable in t */
+        round_all(both[i]->q, sp_nq(&c), t), round_all(both[i]->k, sp_nkv(&c), t);
+        round_all(both[i]->v, sp_nkv(&c), t), round_all(both[i]->dout, sp_nq(&c), t);
+    }
+    uly_status st = gpu_attention(&c, t, &g, 1), cs = sp_cpu_reference(&c, &cpu);
+    CHECK(!st.code && !cs.code, "gpu '%s', cpu '%s'", st.msg, cs.msg);
+    double e[5] = {maxdiff(g.out, cpu.out, sp_nq(&c)), maxdiff(g.lse, cpu.lse, sp_nlse(&c)),
+                   maxdiff(g.dq, cpu.dq, sp_nq(&c)), maxdiff(g.dk, cpu.dk, sp_nkv(&c)),
+                   maxdiff(g.dv, cpu.dv, sp_nkv(&c))};
+    for (int i = 0; i < 5; i++)
+        CHECK(e[i] <= tol, "%s " SP_CASE_FMT ": %s differs by %g (tol %g)", dtype_name(t),
+              SP_CASE_ARGS(&c), outputs[i], e[i], tol);
+    sp_free(&g);
+    sp_free(&cpu);
+}
+
+/* P, B, S, H, Hkv, D, causal, fused, scale */
+TEST(reference_attention_matches_cpu_f32) {
+    const sp_case cases[] = {{1, 2, 9, 4, 2, 8, 1, 0, 0},  {1, 1, 7, 3, 1, 16, 0, 0, 0},
+                             {1, 2, 5, 2, 2, 4, 1, 0, 0.3f}, {1, 1, 33, 4, 4, 64, 1, 0, 0}};
+    for (int i = 0; i < 4; i++) check_attention(cases[i], ULY_F32, 2e-6);
+}
+
+TEST(reference_attention_matches_cpu_bf16_f16) {
+    const sp_case c = {1, 2, 9, 4, 2, 8, 1, 0, 0};
+    check_attention(c, ULY_BF16, 1e-2); /* outputs rounded to 8 bits of mantissa */
+    check_attention(c, ULY_F16, 2e-3);
+}
+
+/* Sq > Sk with a causal mask: the first Sq - Sk rows keep no key. */
+TEST(reference_attention_rows_without_keys_give_zero_and_inf) {
+    const int64_t B = 1, Sq = 6, Sk = 3, H = 2, D = 4;
+    float q[B * Sq * H * D], kv[B * Sk * H * D], o[B * Sq * H * D], lse[B * H * Sq];
+    ref_fill(q, B * Sq * H * D, 5);
+    ref_fill(kv, B * Sk * H * D, 6);
+    void *dq = to_dev(q, B * Sq * H * D, ULY_F32), *dkv = to_dev(kv, B * Sk * H * D, ULY_F32);
+    void *dO = to_dev(NULL, B * Sq * H * D, ULY_F32), *dl = to_dev(NULL, B * H * Sq, ULY_F32);
+    uly_attn attn = uly_cuda_reference_attention();
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = uly_dense(dq, ULY_F32, B, Sq, H, D);
+    a.k = a.v = uly_dense(dkv, ULY_F32, B, Sk, H, D);
+    a.o = uly_dense(dO, ULY_F32, B, Sq, H, D);
+    a.lse = (float *)dl;
+    a.causal = 1;
+    uly_status st = attn.fwd(attn.ctx, &a);
+    CHECK(!st.code, "%s", st.msg);
+    from_dev(o, dO, B * Sq * H * D, ULY_F32);
+    from_dev(lse, dl, B * H * Sq, ULY_F32);
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t i = 0; i < Sq; i++) {
+            int empty = i < Sq - Sk;
+            float l = lse[h * Sq + i], o0 = o[(i * H + h) * D];
+            CHECK(empty ? isinf(l) && l > 0 && o0 == 0 : isfinite(l) && isfinite(o0),
+                  "head %lld row %lld: lse %g, o[0] %g", (long long)h, (long long)i, l, o0);
+        }
+    cudaFree(dq), cudaFree(dkv), cudaFree(dO), cudaFree(dl);
+}
+
+/* Local query heads 0..2 are global heads 1..3 of groups of 2: they read local kv heads 0, 1, 1
+   (global kv heads 0, 1, 1), as a rank whose first head splits a group does. */
+TEST(reference_attention_maps_a_group_split_at_q_head0) {
+    const int64_t S = 5, D = 4;
+    float q[S * 3 * D], kv[S * 2 * D], o[S * 3 * D], want[S * 3 * D];
+    ref_fill(q, S * 3 * D, 8);
+    ref_fill(kv, S * 2 * D, 9);
+    void *dq = to_dev(q, S * 3 * D, ULY_F32), *dkv = to_dev(kv, S * 2 * D, ULY_F32);
+    void *dO = to_dev(NULL, S * 3 * D, ULY_F32), *dl = to_dev(NULL, 3 * S, ULY_F32);
+    uly_attn gpu = uly_cuda_reference_attention(), cpu = uly_cpu_attention();
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = uly_dense(dq, ULY_F32, 1, S, 3, D);
+    a.k = a.v = uly_dense(dkv, ULY_F32, 1, S, 2, D);
+    a.o = uly_dense(dO, ULY_F32, 1, S, 3, D);
+    a.lse = (float *)dl;
+    a.q_head0 = 1, a.kv_group = 2;
+    uly_status st = gpu.fwd(gpu.ctx, &a);
+    float lse[3 * S];
+    a.q = uly_dense(q, ULY_F32, 1, S, 3, D);
+    a.k = a.v = uly_dense(kv, ULY_F32, 1, S, 2, D);
+    a.o = uly_dense(want, ULY_F32, 1, S, 3, D);
+    a.lse = lse;
+    a.workspace = malloc((size_t)cpu.workspace(cpu.ctx, &a));
+    uly_status cs = cpu.fwd(cpu.ctx, &a);
+    free(a.workspace);
+    CHECK(!st.code && !cs.code, "gpu '%s', cpu '%s'", st.msg, cs.msg);
+    from_dev(o, dO, S * 3 * D, ULY_F32);
+    CHECK(maxdiff(o, want, S * 3 * D) <= 2e-6, "out differs by %g", maxdiff(o, want, S * 3 * D));
+    cudaFree(dq), cudaFree(dkv), cudaFree(dO), cudaFree(dl);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The layer: one rank of P, on the device */
+
+typedef struct job {
+    const sp_case *c;
+    uly_dtype t;
+    sp_full *f;
+    uly_status st[8];
+} job;
+
+/* Like sp_run_rank (sp_case.h), with every buffer on the device in dtype t. */
+static uly_status gpu_run_rank(const uly_comm *comm, const sp_case *c, uly_dtype t, sp_full *f) {
+    uly_plan plan;
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = c->P, d.rank = comm->rank, d.sp_size = c->P;
+    d.batch = c->B, d.seq_len = c->S, d.n_heads = c->H, d.n_kv_heads = c->Hkv;
+    d.head_dim = c->D, d.dtype = t;
+    uly_status st = uly_plan_init(&plan, &d);
+    if (st.code) return st;
+    uly_range tok = uly_tokens(&plan, plan.sp_rank), hr = uly_heads(&plan, plan.sp_rank);
+    const int64_t Sr = tok.count, nqkv = c->B * Sr * (c->H + 2 * c->Hkv) * c->D;
+    const int64_t no = c->B * Sr * c->H * c->D;
+
+    /* Host staging in float, laid out as on the device: q, k, v fused or one after another. */
+    float *in = ref_alloc_f(nqkv), *dout = ref_alloc_f(no), *out = ref_alloc_f(no);
+    float *grad = ref_alloc_f(nqkv);
+    uly_tensor q, k, v, dq, dk, dv;
+    if (c->fused) {
+        uly_qkv_views(in, ULY_F32, c->B, Sr, c->H, c->Hkv, c->D, &q, &k, &v);
+        uly_qkv_views(grad, ULY_F32, c->B, Sr, c->H, c->Hkv, c->D, &dq, &dk, &dv);
+    } else {
+        const int64_t nkv = c->B * Sr * c->Hkv * c->D;
+        q = uly_dense(in, ULY_F32, c->B, Sr, c->H, c->D);
+        k = uly_dense(in + no, ULY_F32, c->B, Sr, c->Hkv, c->D);
+        v = uly_dense(in + no + nkv, ULY_F32, c->B, Sr, c->Hkv, c->D);
+        dq = uly_dense(grad, ULY_F32, c->B, Sr, c->H, c->D);
+        dk = uly_dense(grad + no, ULY_F32, c->B, Sr, c->Hkv, c->D);
+        dv = uly_dense(grad + no + nkv, ULY_F32, c->B, Sr, c->Hkv, c->D);
+    }
+    uly_tensor o = uly_dense(out, ULY_F32, c->B, Sr, c->H, c->D);
+    uly_tensor dO = uly_dense(dout, ULY_F32, c->B, Sr, c->H, c->D);
+    sp_copy_tokens(q, f->q, c->S, tok.start, 0);
+    sp_copy_tokens(k, f->k, c->S, tok.start, 0);
+    sp_copy_tokens(v, f->v, c->S, tok.start, 0);
+    sp_copy_tokens(dO, f->dout, c->S, tok.start, 0);
+    void *in_d = to_dev(in, nqkv, t), *dout_d = to_dev(dout, no, t);
+    void *out_d = to_dev(NULL, no, t), *grad_d = to_dev(NULL, nqkv, t);
+
+    uly_layer L;
+    memset(&L, 0, sizeof L);
+    L.plan = &plan;
+    L.comm = comm;
+    L.attn = uly_cuda_reference_attention();
+    L.layout = uly_cuda_layout();
+    L.softmax_scale = c->scale;
+    L.causal = c->causal;
+    cudaStream_t stream;
+    cudaStreamCreate(&stream);
+    L.stream = stream;
+    L.workspace_bytes = uly_layer_workspace(&L);
+    void *saved = NULL;
+    cudaMalloc(&L.workspace, (size_t)L.workspace_bytes + 1);
+    cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan) + 1);
+
+    st = uly_forward(&L, on_dev(q, in, in_d, t), on_dev(k, in, in_d, t), on_dev(v, in, in_d, t),
+                     on_dev(o, out, out_d, t), saved);
+    if (!st.code)
+        st = uly_backward(&L, on_dev(dO, dout, dout_d, t), saved, on_dev(dq, grad, grad_d, t),
+                          on_dev(dk, grad, grad_d, t), on_dev(dv, grad, grad_d, t));
+    cudaStreamSynchronize(stream);
+    if (!st.code) {
+        from_dev(out, out_d, no, t);
+        from_dev(grad, grad_d, nqkv, t);
+        sp_copy_tokens(o, f->out, c->S, tok.start, 1);
+        sp_copy_tokens(dq, f->dq, c->S, tok.start, 1);
+        sp_copy_tokens(dk, f->dk, c->S, tok.start, 1);
+        sp_copy_tokens(dv, f->dv, c->S, tok.start, 1);
+        const int64_t nl = c->B * hr.count * c->S; /* lse [B, H_r, S] */
+        float *lse = ref_alloc_f(nl);
+        from_dev(lse, uly_saved_lse(&plan, saved), nl, ULY_F32);
+        for (int64_t b = 0; b < c->B; b++)
+            memcpy(f->lse + (b * c->H + hr.start) * c->S, lse + b * hr.count * c->S,
+                   (size_t)(hr.count * c->S) * sizeof(float));
+        free(lse);
+    }
+    cudaStreamDestroy(stream);
+    void *all[] = {in_d, dout_d, out_d, grad_d, L.workspace, saved};
+    for (int i = 0; i < 6; i++) cudaFree(all[i]);
+    free(in), free(dout), free(out), free(grad);
+    return st;
+}
+
+static void rank_main(const uly_comm *comm, void *user) {
+    job *j = (job *)user;
+    j->st[comm->rank] = gpu_run_rank(comm, j->c, j->t, j->f);
+}
+
+/* The layer on P virtual ranks against the attention run unsharded on the GPU, and in f32
+   against the unsharded CPU reference. */
+static void check_layer(const sp_case *c, uly_dtype t) {
+    sp_full layer = sp_alloc(c, 7), whole = sp_alloc(c, 7), cpu = sp_alloc(c, 7);
+    sp_full *all[3] = {&layer, &whole, &cpu};
+    for (int i = 0; i < 3; i++) {
+        round_all(all[i]->q, sp_nq(c), t), round_all(all[i]->k, sp_nkv(c), t);
+        round_all(all[i]->v, sp_nkv(c), t), round_all(all[i]->dout, sp_nq(c), t);
+    }
+    job j;
+    memset(&j, 0, sizeof j);
+    j.c = c, j.t = t, j.f = &layer;
+    uly_status st = uly_cuda_local_run(c->P, rank_main, &j);
+    for (int r = 0; r < c->P && !st.code; r++) st = j.st[r];
+    uly_status ws = gpu_attention(c, t, &whole, 1);
+    CHECK(!st.code && !ws.code, "%s " SP_CASE_FMT ": layer '%s', unsharded '%s'", dtype_name(t),
+          SP_CASE_ARGS(c), st.msg, ws.msg);
+    if (st.code || ws.code) goto done;
+    CHECK(!bitdiff(layer.out, whole.out, sp_nq(c)) && !bitdiff(layer.lse, whole.lse, sp_nlse(c)),
+          "%s " SP_CASE_FMT ": forward differs from unsharded: %lld out, %lld lse", dtype_name(t),
+          SP_CASE_ARGS(c), (long long)bitdiff(layer.out, whole.out, sp_nq(c)),
+          (long long)bitdiff(layer.lse, whole.lse, sp_nlse(c)));
+    {
+        /* Summing a split group's copies rounds once more: one ulp in bf16 and f16. */
+        double tol = t == ULY_F32 ? 1e-6 : t == ULY_BF16 ? 0x1p-7 : 0x1p-10;
+        double e[3] = {maxdiff(layer.dq, whole.dq, sp_nq(c)), maxdiff(layer.dk, whole.dk, sp_nkv(c)),
+                       maxdiff(layer.dv, whole.dv, sp_nkv(c))};
+        for (int i = 0; i < 3; i++)
+            CHECK(e[i] <= tol, "%s " SP_CASE_FMT ": %s differs from unsharded by %g", dtype_name(t),
+                  SP_CASE_ARGS(c), outputs[2 + i], e[i]);
+    }
+    if (t == ULY_F32) {
+        uly_status cs = sp_cpu_reference(c, &cpu);
+        double e[5] = {maxdiff(layer.out, cpu.out, sp_nq(c)), maxdiff(layer.lse, cpu.lse, sp_nlse(c)),
+                       maxdiff(layer.dq, cpu.dq, sp_nq(c)), maxdiff(layer.dk, cpu.dk, sp_nkv(c)),
+                       maxdiff(layer.dv, cpu.dv, sp_nkv(c))};
+        CHECK(!cs.code, "cpu: %s", cs.msg);
+        for (int i = 0; i < 5; i++)
+            CHECK(e[i] <= 2e-6, "f32 " SP_CASE_FMT ": %s differs from the CPU reference by %g",
+                  SP_CASE_ARGS(c), outputs[i], e[i]);
+    }
+done:
+    sp_free(&layer), sp_free(&whole), sp_free(&cpu);
+}
+
+/* P, B, S, H, Hkv, D, causal, fused, scale */
+static const sp_case layer_cases[] = {
+    {1, 1, 5, 2, 2, 8, 0, 0, 0},     /* one rank: the layer is plain attention */
+    {1, 2, 7, 4, 2, 8, 1, 1, 0},
+    {2, 1, 16, 4, 4, 8, 1, 0, 0},    /* MHA, even split, B = 1 (no unpack) */
+    {2, 1, 7, 3, 1, 8, 1, 1, 0},     /* MQA, uneven S and H, fused QKV */
+    {3, 2, 17, 3, 3, 8, 1, 1, 0},    /* uneven S, B > 1 */
+    {3, 2, 11, 6, 2, 8, 0, 0, 0},    /* g = 3: a GQA group split across ranks */
+    {4, 2, 67, 8, 2, 16, 1, 1, 0},   /* Hkv < P: replicated kv heads, summed gradients */
+    {4, 3, 31, 4, 1, 8, 1, 0, 0},    /* MQA, B = 3 */
+    {4, 1, 9, 6, 3, 8, 1, 0, 0.3f},  /* H_r = 2, 2, 1, 1; explicit scale */
+};
+enum { NLAYER = sizeof layer_cases / sizeof *layer_cases };
+
+TEST(layer_f32_matches_unsharded_and_cpu) {
+    for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_F32);
+}
+
+TEST(layer_bf16_matches_unsharded) {
+    for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_BF16);
+}
+
+TEST(layer_f16_matches_unsharded) {
+    for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_F16);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The device-local communicator on its own */
+
+typedef struct comm_job {
+    int mismatch;        /* rank 1 expects one byte too many from rank 0 */
+    uly_status st[4], sum[4];
+    double got[4][3];    /* allreduce results: host memory, then device memory */
+    int64_t wrong[4];    /* received bytes that are not what the sender wrote */
+} comm_job;
+
+static void comm_main(const uly_comm *c, void *user) {
+    comm_job *j = (comm_job *)user;
+    const int P = c->size, r = c->rank;
+    int64_t sc[4], so[4], rc[4], ro[4];
+    unsigned char *send, *recv, host[64];
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    cudaMalloc((void **)&send, 64);
+    cudaMalloc((void **)&recv, 64);
+    /* Rank i sends i + j + 1 bytes of value 16 i + j to rank j, blocks in peer order. */
+    for (int q = 0, at = 0, from = 0; q < P; q++) {
+        sc[q] = r + q + 1, so[q] = at, at += (int)sc[q];
+        rc[q] = q + r + 1 + (j->mismatch && r == 1 && q == 0), ro[q] = from, from += (int)rc[q];
+        memset(host + so[q], 16 * r + q, (size_t)sc[q]);
+    }
+    cudaMemcpy(send, host, 64, cudaMemcpyHostToDevice);
+    j->st[r] = c->alltoallv(c->ctx, send, sc, so, recv, rc, ro, s);
+    cudaStreamSynchronize(s);
+    cudaMemcpy(host, recv, 64, cudaMemcpyDeviceToHost);
+    for (int q = 0; q < P && !j->mismatch; q++)
+        for (int64_t b = 0; b < rc[q]; b++) j->wrong[r] += host[ro[q] + b] != 16 * q + r;
+
+    double h[2] = {1.0 + r, 0.5}, *dev;
+    j->sum[r] = c->allreduce_sum(c->ctx, h, 2, s);
+    cudaMalloc((void **)&dev, sizeof(double));
+    double x = 10.0 * r;
+    cudaMemcpy(dev, &x, sizeof x, cudaMemcpyHostToDevice);
+    if (!j->sum[r].code) j->sum[r] = c->allreduce_sum(c->ctx, dev, 1, s);
+    cudaMemcpy(&x, dev, sizeof x, cudaMemcpyDeviceToHost);
+    j->got[r][0] = h[0], j->got[r][1] = h[1], j->got[r][2] = x;
+    cudaFree(dev), cudaFree(send), cudaFree(recv);
+    cudaStreamDestroy(s);
+}
+
+TEST(device_local_alltoallv_and_allreduce) {
+    comm_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = uly_cuda_local_run(4, comm_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++) {
+        CHECK(!j.st[r].code && !j.wrong[r], "rank %d: '%s', %lld wrong bytes", r, j.st[r].msg,
+              (long long)j.wrong[r]);
+        CHECK(!j.sum[r].code && j.got[r][0] == 10 && j.got[r][1] == 2 && j.got[r][2] == 60,
+              "rank %d: '%s', sums %g %g %g, want 10 2 60", r, j.sum[r].msg, j.got[r][0],
+              j.got[r][1], j.got[r][2]);
+    }
+}
+
+TEST(device_local_count_mismatch_is_an_error_not_a_hang) {
+    comm_job j;
+    memset(&j, 0, sizeof j);
+    j.mismatch = 1;
+    uly_status st = uly_cuda_local_run(4, comm_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    CHECK(j.st[1].code == ULY_ECOMM && strstr(j.st[1].msg, "rank 0 sends 2 bytes to rank 1"),
+          "rank 1: '%s'", j.st[1].msg);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Bad input to the layer */
+
+typedef struct bad_job {
+    int comm_size_of_plan; /* the plan's sp_size */
+    int null_workspace, wrong_shape;
+    uly_status st[4];
+} bad_job;
+
+static void bad_main(const uly_comm *comm, void *user) {
+    bad_job *j = (bad_job *)user;
+    uly_plan plan;
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = j->comm_size_of_plan, d.rank = comm->rank % j->comm_size_of_plan;
+    d.sp_size = j->comm_size_of_plan;
+    d.batch = 1, d.seq_len = 8, d.n_heads = 4, d.head_dim = 8, d.dtype = ULY_BF16;
+    uly_status st = uly_plan_init(&plan, &d);
+    if (st.code) {
+        j->st[comm->rank] = st;
+        return;
+    }
+    uly_layer L;
+    memset(&L, 0, sizeof L);
+    L.plan = &plan, L.comm = comm;
+    L.attn = uly_cuda_reference_attention(), L.layout = uly_cuda_layout();
+    L.workspace_bytes = uly_layer_workspace(&L);
+    void *saved, *buf;
+    cudaMalloc(&L.workspace, (size_t)L.workspace_bytes);
+    cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan));
+    cudaMalloc(&buf, 4096);
+    int64_t Sr = uly_tokens(&plan, plan.sp_rank).count - j->wrong_shape;
+    uly_tensor q = uly_dense(buf, ULY_BF16, 1, Sr, 4, 8);
+    void *ws = L.workspace;
+    if (j->null_workspace) L.workspace = NULL;
+    j->st[comm->rank] = uly_forward(&L, q, q, q, q, saved);
+    cudaFree(ws), cudaFree(saved), cudaFree(buf);
+}
+
+static void check_bad(bad_job j, const char *words) {
+    uly_status st = uly_cuda_local_run(2, bad_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(j.st[r].code == ULY_EINVAL && strstr(j.st[r].msg, words), "rank %d: '%s', want '%s'",
+              r, j.st[r].msg, words);
+}
+
+TEST(layer_rejects_a_communicator_of_the_wrong_size) {
+    bad_job j;
+    memset(&j, 0, sizeof j);
+    j.comm_size_of_plan = 1;
+    check_bad(j, "layer.comm->size (2) != sp_size (1)");
+}
+
+TEST(layer_rejects_tensors_the_plan_does_not_describe) {
+    bad_job j;
+    memset(&j, 0, sizeof j);
+    j.comm_size_of_plan = 2, j.wrong_shape = 1;
+    check_bad(j, "q: shape [1, 3, 4, 8], want [1, 4, 4, 8]");
+}
+
+TEST(layer_rejects_a_null_workspace) {
+    bad_job j;
+    memset(&j, 0, sizeof j);
+    j.comm_size_of_plan = 2, j.null_workspace = 1;
+    check_bad(j, "layer.workspace is NULL");
+}
+
+int main(void) { return uly_run_tests(); }
