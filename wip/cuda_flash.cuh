@@ -554,6 +554,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     constexpr int BM = C::BM, BN = C::BN, BS = C::BS, NT = C::WARPS * 32;
     constexpr int MT = BN / (16 * C::WARPS);
     constexpr int QWM = BM / 16, QWN = C::WARPS / QWM, QN = D / QWN; /* dQ: warps over (m, d) */
+    static_assert(QWM * QWN == C::WARPS && QN % 32 == 0, "dQ: whole 16 x 32 blocks per warp");
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
     const int n0 = (int)blockIdx.x * BN;
     if (n0 >= s.sk) return;
