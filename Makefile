@@ -239,6 +239,14 @@ GPU_TESTS += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
 GPU_TESTS += 'timeout 600 env $(MPIRUN) -np $(NGPUS) $(BUILD)/gpu/sp_attention_nccl && echo "1 passed, 0 failed"'
 GPU_BINS  += $(CUDA_TESTS:%=$(BUILD)/gpu/%) $(BUILD)/gpu/sp_attention_nccl
 
+# Layout bandwidth against cudaMemcpyAsync, and the phases of one SP layer on 4 virtual ranks.
+CUDA_BENCHES = bench_layout bench_layer
+$(CUDA_BENCHES:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: bench/%.cu $(CUDA_HDRS)
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@
+GPU_BINS    += $(CUDA_BENCHES:%=$(BUILD)/gpu/%)
+GPU_BENCHES += $(CUDA_BENCHES:%=$(BUILD)/gpu/%)
+
 # --- attention kernels ---
 # The flash kernels (wip/cuda_flash.cuh). test_flash checks them against fp64, plain-precision
 # and CPU references: under the emulator, plain and ASan builds (make test), and on a GPU (make

@@ -1,0 +1,132 @@
+/* bench_layout.cu - bandwidth of the layout kernels against cudaMemcpyAsync (make bench-gpu).
+
+   Rank 0 of an SP group of P = 8; H = 32 query and Hkv = 4 kv heads (so every kv head goes to
+   two ranks and DKV's unpack sums two copies), D = 128, bf16, B = 2; S sized so that the query
+   exchange moves 16 MB .. 1 GB. Each kernel is timed against a device-to-device cudaMemcpyAsync
+   of its exchange buffer's bytes (what a pack writes or an unpack reads): ratio = memcpy time /
+   kernel time, target >= 0.9 at >= 64 MB. Sources and destinations are as in the layer: q, k and
+   dK views into fused QKV buffers, head-layout tensors dense. Median of 20 runs after 3 warm-ups.
+   Prints a table on stdout. Arguments: the sizes in MB (default 16 64 256 1024). */
+#include "emu/cuda_emu.h"
+#define ULYSSES_IMPLEMENTATION
+#include "../ulysses_cuda.cuh"
+
+#include <algorithm>
+#include <stdio.h>
+#include <stdlib.h>
+#include <vector>
+
+enum { P = 8, B = 2, H = 32, HKV = 4, D = 128 };
+
+#define CUDA_OK(x)                                                                             \
+    do {                                                                                       \
+        cudaError_t e_ = (x);                                                                  \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                           \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+static void ok(uly_status st) {
+    if (!st.code) return;
+    fprintf(stderr, "%s\n", st.msg);
+    exit(1);
+}
+
+/* Median milliseconds of fn on stream s over 20 runs after 3 warm-ups. */
+template <typename F> static double time_ms(cudaStream_t s, F fn) {
+    cudaEvent_t a, b;
+    CUDA_OK(cudaEventCreate(&a));
+    CUDA_OK(cudaEventCreate(&b));
+    std::vector<float> ms;
+    for (int i = 0; i < 23; i++) {
+        CUDA_OK(cudaEventRecord(a, s));
+        fn();
+        CUDA_OK(cudaEventRecord(b, s));
+        CUDA_OK(cudaEventSynchronize(b));
+        float t;
+        CUDA_OK(cudaEventElapsedTime(&t, a, b));
+        if (i >= 3) ms.push_back(t);
+    }
+    cudaEventDestroy(a), cudaEventDestroy(b);
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+}
+
+static void *device(int64_t bytes) {
+    void *p;
+    CUDA_OK(cudaMalloc(&p, (size_t)bytes));
+    CUDA_OK(cudaMemset(p, 0, (size_t)bytes));
+    return p;
+}
+
+typedef struct kcase {
+    const char *name;
+    uly_xchg x;
+    int unpack;
+    int fused; /* the sequence-layout side is a view into a fused QKV buffer */
+} kcase;
+
+static const kcase kcases[] = {
+    {"pack Q (fused QKV)", ULY_X_Q, 0, 1},  {"unpack Q", ULY_X_Q, 1, 0},
+    {"pack KV (fused QKV)", ULY_X_KV, 0, 1}, {"unpack KV", ULY_X_KV, 1, 0},
+    {"pack O", ULY_X_O, 0, 0},               {"unpack O", ULY_X_O, 1, 0},
+    {"pack DKV", ULY_X_DKV, 0, 0},           {"unpack DKV (fused, sums)", ULY_X_DKV, 1, 1},
+};
+
+static void bench_size(double mb, cudaStream_t s) {
+    const int64_t token_bytes = (int64_t)B * H * D * 2; /* of the query exchange, per token */
+    const int64_t Sr = std::max<int64_t>(1, (int64_t)(mb * (1 << 20)) / token_bytes);
+    uly_plan plan;
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = P, d.rank = 0, d.sp_size = P, d.batch = B, d.seq_len = Sr * P;
+    d.n_heads = H, d.n_kv_heads = HKV, d.head_dim = D, d.dtype = ULY_BF16;
+    ok(uly_plan_init(&plan, &d));
+    const int64_t heads_r = uly_heads(&plan, 0).count, kv_r = uly_kv_heads(&plan, 0).count;
+    const int64_t fused = (int64_t)B * Sr * (H + 2 * HKV) * D * 2;
+    const int64_t head_side = (int64_t)B * d.seq_len * heads_r * D * 2;
+    int64_t xbytes = 0;
+    for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
+        xbytes = std::max(xbytes, std::max(uly_send_bytes(&plan, (uly_xchg)x),
+                                           uly_recv_bytes(&plan, (uly_xchg)x)));
+    void *qkv = device(fused), *dense_seq = device(fused), *head = device(head_side);
+    void *buf = device(xbytes), *copy = device(xbytes);
+    uly_tensor fq, fk, fv;
+    uly_qkv_views(qkv, ULY_BF16, B, Sr, H, HKV, D, &fq, &fk, &fv);
+    uly_layout l = uly_cuda_layout();
+
+    for (const kcase &c : kcases) {
+        const int kv = c.x == ULY_X_KV || c.x == ULY_X_DKV, seq = (c.x <= ULY_X_KV) != c.unpack;
+        uly_tensor t = seq ? (c.fused ? (kv ? fk : fq)
+                                      : uly_dense(dense_seq, ULY_BF16, B, Sr, kv ? HKV : H, D))
+                           : uly_dense(head, ULY_BF16, B, d.seq_len, kv ? kv_r : heads_r, D);
+        const int64_t bytes = c.unpack ? uly_recv_bytes(&plan, c.x) : uly_send_bytes(&plan, c.x);
+        const double k = time_ms(s, [&] {
+            ok(c.unpack ? l.unpack(l.ctx, &plan, c.x, buf, t, s) : l.pack(l.ctx, &plan, c.x, t, buf, s));
+        });
+        const double m = time_ms(s, [&] {
+            CUDA_OK(cudaMemcpyAsync(copy, buf, (size_t)bytes, cudaMemcpyDeviceToDevice, s));
+        });
+        printf("%-26s %9.1f %10.3f %10.3f %9.1f %9.1f %6.2f\n", c.name, bytes / 1048576.0, k, m,
+               2 * bytes / k / 1e6, 2 * bytes / m / 1e6, m / k);
+    }
+    void *all[] = {qkv, dense_seq, head, buf, copy};
+    for (void *p : all) cudaFree(p);
+}
+
+int main(int argc, char **argv) {
+    std::vector<double> sizes = {16, 64, 256, 1024};
+    if (argc > 1) sizes.assign(argc - 1, 0);
+    for (int i = 1; i < argc; i++) sizes[i - 1] = atof(argv[i]);
+    cudaDeviceProp prop;
+    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreate(&s));
+    printf("layout kernels on %s: P=%d B=%d H=%d Hkv=%d D=%d bf16, rank 0\n", prop.name, P, B, H,
+           HKV, D);
+    printf("%-26s %9s %10s %10s %9s %9s %6s\n", "kernel", "MB", "kernel ms", "memcpy ms",
+           "GB/s", "memcpy", "ratio");
+    for (double mb : sizes) bench_size(mb, s);
+    return 0;
+}
