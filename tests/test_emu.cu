@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -922,6 +923,30 @@ TEST(shared_addresses_are_offsets_in_the_shared_window) {
     std::vector<uint32_t> h = download(out, 2);
     CHECK(h[0] == 100 && h[1] == 0, "offset %u, alignment remainder %u", h[0], h[1]);
     cudaFree(out);
+}
+
+// Host threads launch at once (the local communicator runs a thread per rank); each sees its
+// own results and its own errors.
+__global__ void add_two(int *sum) { atomicAdd(sum, 2); }
+
+TEST(host_threads_launch_concurrently) {
+    const int threads = 4, rounds = 20;
+    std::vector<int *> sums(threads);
+    std::vector<cudaError_t> errors(threads, cudaSuccess);
+    std::vector<std::thread> ranks;
+    for (int t = 0; t < threads; t++)
+        ranks.emplace_back([&, t] {
+            sums[t] = device_zeros<int>(1);
+            for (int r = 0; r < rounds; r++) ULY_LAUNCH(add_two, 8, 64, 0, 0, sums[t]);
+            errors[t] = launch_error();
+        });
+    for (auto &r : ranks) r.join();
+    for (int t = 0; t < threads; t++) {
+        int sum = download(sums[t], 1)[0];
+        CHECK(errors[t] == cudaSuccess, "thread %d: %s", t, cudaGetErrorString(errors[t]));
+        CHECK(sum == rounds * 8 * 64 * 2, "thread %d: sum %d", t, sum);
+        cudaFree(sums[t]);
+    }
 }
 
 TEST(bad_launch_configurations_are_refused) {

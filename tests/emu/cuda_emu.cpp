@@ -168,6 +168,8 @@ struct Warp {
 struct Grid;
 
 struct Worker {
+    Worker();
+    ~Worker();
     std::vector<Fiber> fibers;
     size_t stack_size = 0;
     Context sched;  // the OS thread's own stack, where blocks start and end
@@ -198,8 +200,9 @@ struct Grid {
     unsigned nblocks;
     std::atomic<unsigned> next{0};
     std::atomic<bool> failed{false};
-    std::mutex m;
+    std::mutex m;  // guards the first failure's error and report
     cudaError_t err = cudaSuccess;
+    std::string report;
 };
 
 struct Config {
@@ -233,14 +236,12 @@ const Config &config() {
     return c;
 }
 
-// Every Worker stays reachable from here, so leak checkers see its memory as owned.
-std::mutex workers_m;
-std::vector<std::unique_ptr<Worker>> workers;
+// The Worker of the calling OS thread (null until it runs a block).
 __thread Worker *tw;
 
-std::atomic<int> last_error{cudaSuccess};
-std::mutex failure_m;
-std::string last_failure;
+// As in CUDA, the last error is per host thread; so is the last failure report.
+thread_local cudaError_t last_error = cudaSuccess;
+thread_local std::string last_failure;
 std::atomic<bool> quiet{false};
 std::atomic<unsigned long long> total_switches{0};
 
@@ -405,13 +406,9 @@ void record_failure(Worker &w, cudaError_t err, const std::string &msg) {
     std::lock_guard<std::mutex> lock(g.m);
     if (g.failed.exchange(true)) return;  // a launch reports its first failure only
     g.err = err;
-    std::string text = msg + strprintf("cuda_emu: seed %llu (ULY_EMU_SEED=%llu replays it)\n",
-                                       config().seed, config().seed);
-    {
-        std::lock_guard<std::mutex> l2(failure_m);
-        last_failure = text;
-    }
-    if (!quiet) fputs(text.c_str(), stderr);
+    g.report = msg + strprintf("cuda_emu: seed %llu (ULY_EMU_SEED=%llu replays it)\n",
+                               config().seed, config().seed);
+    if (!quiet) fputs(g.report.c_str(), stderr);
 }
 
 // Fails the running block. Called on a fiber, it abandons the fiber for the scheduler and does
@@ -783,21 +780,51 @@ void thread_stack_bounds(const void **bottom, size_t *size) {
     *size = sz;
 }
 
-Worker &worker() {
-    if (tw) return *tw;
-    auto w = std::make_unique<Worker>();
-    w->stack_size = config().stack_size;
-    thread_stack_bounds(&w->sched_bottom, &w->sched_size);
-    void *smem = mmap(nullptr, kSmemPerBlock, PROT_READ | PROT_WRITE,
-                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (smem == MAP_FAILED) {
+Worker::Worker() {
+    stack_size = config().stack_size;
+    void *p = mmap(nullptr, kSmemPerBlock, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (p == MAP_FAILED) {
         perror("cuda_emu: mmap of shared memory");
         abort();
     }
-    w->smem = static_cast<unsigned char *>(smem);
-    tw = w.get();
-    std::lock_guard<std::mutex> lock(workers_m);
-    workers.push_back(std::move(w));
+    smem = static_cast<unsigned char *>(p);
+}
+
+Worker::~Worker() {
+    for (Fiber &f : fibers) munmap(f.stack - page_size(), stack_size + page_size());
+    asan_unpoison(smem, kSmemPerBlock);
+    munmap(smem, kSmemPerBlock);
+}
+
+// Host threads come and go (the local communicator runs a thread per rank): a thread's Worker
+// goes back to `spare` when it exits, and the next new thread takes it, stacks and all.
+std::mutex spare_m;
+std::vector<std::unique_ptr<Worker>> spare;
+
+struct WorkerOwner {
+    std::unique_ptr<Worker> w;
+    ~WorkerOwner() {
+        if (!w) return;
+        tw = nullptr;
+        std::lock_guard<std::mutex> lock(spare_m);
+        spare.push_back(std::move(w));
+    }
+};
+thread_local WorkerOwner owner;
+
+Worker &worker() {
+    if (tw) return *tw;
+    {
+        std::lock_guard<std::mutex> lock(spare_m);
+        if (!spare.empty()) {
+            owner.w = std::move(spare.back());
+            spare.pop_back();
+        }
+    }
+    if (!owner.w) owner.w = std::make_unique<Worker>();
+    tw = owner.w.get();
+    thread_stack_bounds(&tw->sched_bottom, &tw->sched_size);
     return *tw;
 }
 
@@ -894,9 +921,11 @@ public:
         for (auto &t : threads_) t.join();
     }
 
+    // Runs a grid with the pool's threads; a grid launched while another host thread holds the
+    // pool runs on its own thread alone.
     void run(Grid &grid) {
-        unsigned helpers = std::min(config().threads, grid.nblocks) - 1;
-        if (helpers == 0) {
+        std::unique_lock<std::mutex> own(use_, std::try_to_lock);
+        if (!own || std::min(config().threads, grid.nblocks) == 1) {
             run_blocks(grid);
             return;
         }
@@ -932,6 +961,7 @@ private:
         }
     }
 
+    std::mutex use_;  // held by the launch that uses the pool
     std::mutex m_;
     std::condition_variable wake_, done_;
     std::vector<std::thread> threads_;
@@ -941,13 +971,19 @@ private:
     bool quit_ = false;
 };
 
-Pool pool;  // after `workers`, so its threads are joined before the workers are freed
+Pool pool;  // after `spare`: joining its threads hands their Workers back
 
 std::mutex attr_m;
 std::unordered_map<const void *, int> max_dyn_smem;  // cudaFuncSetAttribute, per kernel
 
 void set_error(cudaError_t e) {
     if (e != cudaSuccess) last_error = e;
+}
+
+cudaError_t take_error() {
+    cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    return e;
 }
 
 cudaError_t check_launch(const uly_emu_grid &g) {
@@ -985,16 +1021,14 @@ void uly_emu_launch(const uly_emu_grid &g) {
         set_error(e);
         return;
     }
-    static std::atomic<unsigned long long> launches{0};
+    // Launches are numbered per host thread, so concurrent host threads replay too.
+    static thread_local unsigned long long launches = 0;
     Grid grid;
     grid.g = g;
     grid.launch = launches++;
     grid.nblocks = g.grid.x * g.grid.y * g.grid.z;
-    {
-        std::lock_guard<std::mutex> lock(failure_m);
-        last_failure.clear();
-    }
     pool.run(grid);
+    last_failure = grid.report;
     if (grid.failed) set_error(grid.err);
 }
 
@@ -1145,12 +1179,7 @@ void __trap() {
 
 unsigned long long uly_emu_seed() { return config().seed; }
 
-const char *uly_emu_last_failure() {
-    static thread_local std::string copy;
-    std::lock_guard<std::mutex> lock(failure_m);
-    copy = last_failure;
-    return copy.c_str();
-}
+const char *uly_emu_last_failure() { return last_failure.c_str(); }
 
 void uly_emu_set_quiet(bool q) { quiet = q; }
 
@@ -1189,7 +1218,7 @@ const char *error_text(cudaError_t e, bool name) {
     return name ? "cudaErrorUnknown" : "unknown error";
 }
 
-cudaError_t pending() { return (cudaError_t)last_error.load(); }
+cudaError_t pending() { return last_error; }
 
 }  // namespace
 
@@ -1285,7 +1314,7 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) 
     return cudaSuccess;
 }
 
-cudaError_t cudaGetLastError() { return (cudaError_t)last_error.exchange(cudaSuccess); }
+cudaError_t cudaGetLastError() { return take_error(); }
 cudaError_t cudaPeekAtLastError() { return pending(); }
 const char *cudaGetErrorString(cudaError_t e) { return error_text(e, false); }
 const char *cudaGetErrorName(cudaError_t e) { return error_text(e, true); }

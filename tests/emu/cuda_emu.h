@@ -45,6 +45,9 @@
 #undef __shared__
 #define __shared__ static thread_local
 
+// An occupancy hint means nothing here (host_defines.h defines it for nvcc only).
+#define __launch_bounds__(...)
+
 // ---------------------------------------------------------------------------------------------
 // Builtin variables, set by the scheduler for the running fiber.
 
