@@ -103,7 +103,8 @@ static void bench_size(double mb, cudaStream_t s) {
                            : uly_dense(head, ULY_BF16, B, d.seq_len, kv ? kv_r : heads_r, D);
         const int64_t bytes = c.unpack ? uly_recv_bytes(&plan, c.x) : uly_send_bytes(&plan, c.x);
         const double k = time_ms(s, [&] {
-            ok(c.unpack ? l.unpack(l.ctx, &plan, c.x, buf, t, s) : l.pack(l.ctx, &plan, c.x, t, buf, s));
+            ok(c.unpack ? l.unpack(l.ctx, &plan, c.x, buf, t, s)
+                        : l.pack(l.ctx, &plan, c.x, t, buf, s));
         });
         const double m = time_ms(s, [&] {
             CUDA_OK(cudaMemcpyAsync(copy, buf, (size_t)bytes, cudaMemcpyDeviceToDevice, s));

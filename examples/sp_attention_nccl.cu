@@ -57,7 +57,8 @@ static float *to_host(const uly_tensor *t) { /* a [b, s, h, d] view, densely, in
     for (int64_t b = 0, i = 0; b < t->b; b++)
         for (int64_t s = 0; s < t->s; s++)
             for (int64_t h = 0; h < t->h; h++, i += t->d) {
-                const __nv_bfloat16 *src = (const __nv_bfloat16 *)t->data + b * t->sb + s * t->ss + h * t->sh;
+                const __nv_bfloat16 *src =
+                    (const __nv_bfloat16 *)t->data + b * t->sb + s * t->ss + h * t->sh;
                 CUDA_OK(cudaMemcpy(row, src, (size_t)t->d * 2, cudaMemcpyDeviceToHost));
                 for (int64_t e = 0; e < t->d; e++) x[i + e] = __bfloat162float(row[e]);
             }
@@ -119,7 +120,8 @@ int main(int argc, char **argv) {
     uly_tensor dout = uly_dense(to_gpu(h_dout, nq), ULY_BF16, B, S, H, D);
 
     /* This rank's shard: its tokens of the fused buffer (a trainer's projection output). */
-    const int64_t nqkv_r = (int64_t)B * tok.count * (H + 2 * HKV) * D, nq_r = (int64_t)B * tok.count * H * D;
+    const int64_t nqkv_r = (int64_t)B * tok.count * (H + 2 * HKV) * D;
+    const int64_t nq_r = (int64_t)B * tok.count * H * D;
     __nv_bfloat16 *qkv_r = to_gpu(NULL, nqkv_r), *dqkv_r = to_gpu(NULL, nqkv_r);
     for (int64_t b = 0; b < B; b++)
         CUDA_OK(cudaMemcpy(qkv_r + b * tok.count * (H + 2 * HKV) * D,
@@ -158,7 +160,7 @@ int main(int argc, char **argv) {
     ulysses_ok(L.attn.bwd(L.attn.ctx, &a), "unsharded backward");
     CUDA_OK(cudaStreamSynchronize(stream));
 
-    /* out is bitwise the unsharded rows; the gradients of a split GQA group sum in another order. */
+    /* out is bitwise the unsharded rows; a split GQA group sums its gradients in another order. */
     double err[4] = {shard_error(out_r, out, tok.start), shard_error(dq_r, dq, tok.start),
                      shard_error(dk_r, dk, tok.start), shard_error(dv_r, dv, tok.start)};
     int bad = err[0] > 0 || err[1] > 0x1p-7 || err[2] > 0x1p-7 || err[3] > 0x1p-7, any_bad;
@@ -166,7 +168,8 @@ int main(int argc, char **argv) {
            rank, plan.sp_rank, P, plan.dp_rank, (long long)tok.start,
            (long long)(tok.start + tok.count), err[0], err[1], err[2], err[3], bad ? "FAIL" : "ok");
     MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (rank == 0) printf("%s\n", any_bad ? "FAIL" : "ok: the SP layer matches unsharded attention");
+    if (rank == 0)
+        printf("%s\n", any_bad ? "FAIL" : "ok: the SP layer matches unsharded attention");
 
     ncclCommDestroy(dp), ncclCommDestroy(sp), ncclCommDestroy(all);
     MPI_Finalize();

@@ -351,7 +351,8 @@ static void check_layer(const sp_case *c, uly_dtype t) {
     {
         /* Summing a split group's copies rounds once more: one ulp in bf16 and f16. */
         double tol = t == ULY_F32 ? 1e-6 : t == ULY_BF16 ? 0x1p-7 : 0x1p-10;
-        double e[3] = {maxdiff(layer.dq, whole.dq, sp_nq(c)), maxdiff(layer.dk, whole.dk, sp_nkv(c)),
+        double e[3] = {maxdiff(layer.dq, whole.dq, sp_nq(c)),
+                       maxdiff(layer.dk, whole.dk, sp_nkv(c)),
                        maxdiff(layer.dv, whole.dv, sp_nkv(c))};
         for (int i = 0; i < 3; i++)
             CHECK(e[i] <= tol, "%s " SP_CASE_FMT ": %s differs from unsharded by %g", dtype_name(t),
@@ -359,7 +360,8 @@ static void check_layer(const sp_case *c, uly_dtype t) {
     }
     if (t == ULY_F32) {
         uly_status cs = sp_cpu_reference(c, &cpu);
-        double e[5] = {maxdiff(layer.out, cpu.out, sp_nq(c)), maxdiff(layer.lse, cpu.lse, sp_nlse(c)),
+        double e[5] = {maxdiff(layer.out, cpu.out, sp_nq(c)),
+                       maxdiff(layer.lse, cpu.lse, sp_nlse(c)),
                        maxdiff(layer.dq, cpu.dq, sp_nq(c)), maxdiff(layer.dk, cpu.dk, sp_nkv(c)),
                        maxdiff(layer.dv, cpu.dv, sp_nkv(c))};
         CHECK(!cs.code, "cpu: %s", cs.msg);

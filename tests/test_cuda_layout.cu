@@ -172,7 +172,8 @@ static void check_one(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unp
             float *tw = widen(&tb, t), *xw = widen(&xb, t);
             uly_tensor t32 = tensor_in((char *)tw, f, ULY_F32, c->B, s, h, c->D, kv, nq, nkv);
             want = cpu.unpack(cpu.ctx, &p32, x, xw, t32, NULL);
-            for (int64_t i = 0; i < tb.bytes / uly_dtype_size(t); i++) elem_set(tb.host, t, i, tw[i]);
+            for (int64_t i = 0; i < tb.bytes / uly_dtype_size(t); i++)
+                elem_set(tb.host, t, i, tw[i]);
             free(tw), free(xw);
         }
     } else {

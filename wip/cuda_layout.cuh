@@ -6,8 +6,8 @@
        L.layout = uly_cuda_layout();                 pack/unpack kernels on (cudaStream_t)L.stream
        L.comm   = a device communicator;             device-local (one GPU) or NCCL
        L.attn   = uly_flash_attention(), or uly_cuda_reference_attention() to check it;
-   and L.workspace, saved and every tensor in GPU memory. Nothing here allocates or synchronizes
-   the stream; every call returns a uly_status.
+   and L.workspace, saved and every tensor in GPU memory. Nothing here allocates; pack, unpack,
+   alltoallv and the attention only queue work on the stream. Every call returns a uly_status.
 
    Layout kernels: every exchange is one launch of one kernel, a strided box copy. bf16, fp16,
    fp32; 16-byte accesses where the tensor's address and strides allow, element accesses
@@ -75,10 +75,10 @@ ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s)
 
 #ifdef ULYSSES_IMPLEMENTATION
 
-/* Element conversions: values travel as T, sums happen in fp32. */
-static __device__ __forceinline__ float uly__f32(float x) { return x; }
-static __device__ __forceinline__ float uly__f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-static __device__ __forceinline__ float uly__f32(__half x) { return __half2float(x); }
+/* Element conversions: values travel as T, sums happen in fp32 and round once. */
+static __device__ __forceinline__ float uly__widen(float x) { return x; }
+static __device__ __forceinline__ float uly__widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+static __device__ __forceinline__ float uly__widen(__half x) { return __half2float(x); }
 template <typename T> __device__ __forceinline__ T uly__round(float x);
 template <> __device__ __forceinline__ float uly__round<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 uly__round<__nv_bfloat16>(float x) {
@@ -150,11 +150,11 @@ __device__ __forceinline__ void uly__sum_copies(const uly__boxes &x, int j, int 
     uly__vec<T, W> v = uly__block_at<T, W>(x, j, bs * x.count[j] + h - x.start[j], e);
     float acc[W];
 #pragma unroll
-    for (int w = 0; w < W; w++) acc[w] = uly__f32(v.e[w]);
+    for (int w = 0; w < W; w++) acc[w] = uly__widen(v.e[w]);
     for (int m = j + 1; m < k; m++) {
         v = uly__block_at<T, W>(x, m, bs * x.count[m] + h - x.start[m], e);
 #pragma unroll
-        for (int w = 0; w < W; w++) acc[w] += uly__f32(v.e[w]);
+        for (int w = 0; w < W; w++) acc[w] += uly__widen(v.e[w]);
     }
 #pragma unroll
     for (int w = 0; w < W; w++) v.e[w] = uly__round<T>(acc[w]);
@@ -229,12 +229,12 @@ template <typename T> static uly_status uly__launch_boxes(const uly__boxes &b, c
     const int64_t w = uly__can_vectorize(b, sizeof(T)) ? 16 / sizeof(T) : 1;
     int64_t most = 0; /* accesses in the largest box */
     for (int j = 0; j < b.n; j++) {
-        const int64_t tok = b.by_heads ? b.width : b.count[j], hd = b.by_heads ? b.count[j] : b.width;
-        most = uly__max(most, b.batch * tok * hd * b.dim / w);
+        most = uly__max(most, b.batch * b.width * b.count[j] * b.dim / w);
     }
     const int64_t blocks = uly__min((most + ULY__COPY_THREADS - 1) / ULY__COPY_THREADS,
                                     uly__max(1, ULY__COPY_BLOCKS / b.n));
-    void (*kernel)(const uly__boxes) = w > 1 ? uly__box_copy<T, 16 / sizeof(T)> : uly__box_copy<T, 1>;
+    void (*kernel)(const uly__boxes) =
+        w > 1 ? uly__box_copy<T, 16 / sizeof(T)> : uly__box_copy<T, 1>;
     ULY_LAUNCH(kernel, dim3((unsigned)blocks, (unsigned)b.n), dim3(ULY__COPY_THREADS), 0, s, b);
     return uly__cuda(cudaGetLastError(), "layout kernel launch");
 }
@@ -320,7 +320,8 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
     const int P = me->host->size;
     cudaStream_t s = (cudaStream_t)stream;
     uly__dl_block out[ULY_MAX_SP], in[ULY_MAX_SP];
-    uly_status st = uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs);
+    uly_status st =
+        uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs);
     for (int j = 0; j < P; j++) {
         out[j].src = st.code ? NULL : (const char *)send + send_offs[j];
         out[j].bytes = st.code ? -1 : send_counts[j];
@@ -386,7 +387,8 @@ static uly_status uly__dl_setup(uly__dl_rank *me, int device) {
     ULY__TRY(uly__cuda(e, "device-local comm setup"));
     for (int j = 0; j < P; j++) mine[2 * j] = me->ready, mine[2 * j + 1] = me->done;
     ULY__TRY(uly__dl_trade(me->host, mine, peers, 2 * sizeof *mine));
-    for (int i = 0; i < P; i++) me->peer_ready[i] = peers[2 * i], me->peer_done[i] = peers[2 * i + 1];
+    for (int i = 0; i < P; i++)
+        me->peer_ready[i] = peers[2 * i], me->peer_done[i] = peers[2 * i + 1];
     return uly__ok();
 }
 
@@ -444,7 +446,7 @@ __device__ __forceinline__ T *uly__ref_row(const uly_tensor &t, int64_t b, int64
 
 template <typename T> __device__ float uly__ref_dot(const T *a, const T *b, int64_t d) {
     float s = 0.f;
-    for (int64_t i = 0; i < d; i++) s += uly__f32(a[i]) * uly__f32(b[i]);
+    for (int64_t i = 0; i < d; i++) s += uly__widen(a[i]) * uly__widen(b[i]);
     return s;
 }
 
@@ -458,8 +460,10 @@ __device__ __forceinline__ int64_t uly__ref_kv_head(const uly__ref_params &p, in
 }
 
 /* Grid (query rows, H, B). lse and o of a row that keeps no key: +inf and 0. */
-template <typename T> __global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_fwd(const uly__ref_params p) {
-    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, h = blockIdx.y, b = blockIdx.z;
+template <typename T>
+__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_fwd(const uly__ref_params p) {
+    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
     if (i >= p.q.s) return;
     const int64_t hk = uly__ref_kv_head(p, h), n = uly__ref_kept(p, i), D = p.q.d;
     const T *q = uly__ref_row<T>(p.q, b, i, h);
@@ -471,7 +475,7 @@ template <typename T> __global__ void __launch_bounds__(ULY__REF_THREADS) uly__r
         const float e = expf(p.scale * uly__ref_dot(q, uly__ref_row<T>(p.k, b, j, hk), D) - m);
         const T *v = uly__ref_row<T>(p.v, b, j, hk);
         l += e;
-        for (int64_t d = 0; d < D; d++) acc[d] += e * uly__f32(v[d]);
+        for (int64_t d = 0; d < D; d++) acc[d] += e * uly__widen(v[d]);
     }
     T *o = uly__ref_row<T>(p.o, b, i, h);
     for (int64_t d = 0; d < D; d++) o[d] = uly__round<T>(n ? acc[d] / l : 0.f);
@@ -480,8 +484,10 @@ template <typename T> __global__ void __launch_bounds__(ULY__REF_THREADS) uly__r
 
 /* Grid (query rows, H, B): Dsum = rowsum(dout * o), and dq = scale * sum_j dS_ij k_j with
    P_ij = exp(s_ij - lse_i), dS_ij = P_ij (dout_i . v_j - Dsum_i). */
-template <typename T> __global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_q(const uly__ref_params p) {
-    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, h = blockIdx.y, b = blockIdx.z;
+template <typename T>
+__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_q(const uly__ref_params p) {
+    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
     if (i >= p.q.s) return;
     const int64_t hk = uly__ref_kv_head(p, h), n = uly__ref_kept(p, i), D = p.q.d;
     const int64_t row = (b * p.q.h + h) * p.q.s + i;
@@ -494,7 +500,7 @@ template <typename T> __global__ void __launch_bounds__(ULY__REF_THREADS) uly__r
         const T *k = uly__ref_row<T>(p.k, b, j, hk), *v = uly__ref_row<T>(p.v, b, j, hk);
         const float pr = expf(p.scale * uly__ref_dot(q, k, D) - lse);
         const float ds = pr * (uly__ref_dot(dout, v, D) - dsum);
-        for (int64_t d = 0; d < D; d++) acc[d] += ds * uly__f32(k[d]);
+        for (int64_t d = 0; d < D; d++) acc[d] += ds * uly__widen(k[d]);
     }
     T *dq = uly__ref_row<T>(p.dq, b, i, h);
     for (int64_t d = 0; d < D; d++) dq[d] = uly__round<T>(p.scale * acc[d]);
@@ -503,8 +509,10 @@ template <typename T> __global__ void __launch_bounds__(ULY__REF_THREADS) uly__r
 /* Grid (key rows, Hkv, B), after uly__ref_bwd_q wrote Dsum: dv = sum P_ij dout_i and
    dk = scale * sum dS_ij q_i over the query rows that keep key j, of every query head of the
    kv head's group. */
-template <typename T> __global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_kv(const uly__ref_params p) {
-    const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, hk = blockIdx.y, b = blockIdx.z;
+template <typename T>
+__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_kv(const uly__ref_params p) {
+    const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t hk = blockIdx.y, b = blockIdx.z;
     if (j >= p.k.s) return;
     const int64_t D = p.q.d, g0 = p.q_head0 / p.group;
     const int64_t h_begin = max((int64_t)0, (hk + g0) * p.group - p.q_head0);
@@ -520,8 +528,8 @@ template <typename T> __global__ void __launch_bounds__(ULY__REF_THREADS) uly__r
             const float pr = expf(p.scale * uly__ref_dot(q, k, D) - p.lse[row]);
             const float ds = pr * (uly__ref_dot(dout, v, D) - p.dsum[row]);
             for (int64_t d = 0; d < D; d++) {
-                dv[d] += pr * uly__f32(dout[d]);
-                dk[d] += ds * uly__f32(q[d]);
+                dv[d] += pr * uly__widen(dout[d]);
+                dk[d] += ds * uly__widen(q[d]);
             }
         }
     T *dk_out = uly__ref_row<T>(p.dk, b, j, hk), *dv_out = uly__ref_row<T>(p.dv, b, j, hk);
@@ -741,7 +749,8 @@ ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s)
         if (q != cudaErrorNotReady) return uly__cuda(q, "uly_nccl_wait: cudaStreamQuery");
         uly_status st = uly__nccl_async(comm, "uly_nccl_wait");
         clock_gettime(CLOCK_MONOTONIC, &now);
-        const double waited = (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
+        const double waited =
+            (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
         if (!st.code && timeout_s > 0 && waited > timeout_s)
             st = uly__err(ULY_ECOMM, "uly_nccl_wait: the stream is not done after %.1f s (a peer "
                           "may be gone); the communicator was aborted", waited);
