@@ -199,8 +199,6 @@ BENCH_BINS += $(BUILD)/bench_emu
 # reference attention. test_cuda_layout and test_cuda_layer run under the emulator, plain and
 # ASan (make test), and on a GPU (make test-gpu). make test also builds them and the NCCL example
 # with nvcc for sm_80 and sm_90 (-Werror, -lnccl) and fails if a layout kernel spills.
-# The layer test's virtual ranks launch from several threads; the emulator runs them with one
-# thread per launch (ULY_EMU_THREADS=1) until its pool takes concurrent launches.
 CUDA_HDRS  = ulysses.h ulysses_cuda.cuh wip/cuda_layout.cuh wip/cuda_flash.cuh tests/ref64.h \
              tests/sp_case.h $(EMU_HDRS)
 CUDA_TESTS = test_cuda_layout test_cuda_layer
@@ -218,13 +216,11 @@ $(CUDA_TESTS:%=$(BUILD)/asan/%): $(BUILD)/asan/%: tests/%.cu $(CUDA_HDRS) $(EMU_
 $(CUDA_TESTS:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: tests/%.cu $(CUDA_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
-$(BUILD)/gpu/sp_attention_nccl: examples/sp_attention_nccl.cu ulysses.h ulysses_cuda.cuh wip/cuda_layout.cuh wip/cuda_flash.cuh
+$(BUILD)/gpu/sp_attention_nccl: examples/sp_attention_nccl.cu $(CUDA_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) $(MPI_CUFLAGS) -x cu $< -o $@ $(MPI_CULIBS) -lnccl
 
-TESTS     += $(BUILD)/test_cuda_layout $(BUILD)/asan/test_cuda_layout
-TESTS     += 'env ULY_EMU_THREADS=1 $(BUILD)/test_cuda_layer'
-TESTS     += 'env ULY_EMU_THREADS=1 $(BUILD)/asan/test_cuda_layer'
+TESTS     += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)
 TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)
 ifeq ($(HAVE_NVCC),1)
 TESTS     += 'tests/ptxas_spills.sh $(BUILD)/gpu/test_cuda_layout.ptxas uly__box_copy'
