@@ -5,6 +5,7 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -805,10 +806,52 @@ Worker::~Worker() {
 std::mutex spare_m;
 std::vector<std::unique_ptr<Worker>> spare;
 
+// A fiber that overflows its stack faults on the guard page; without ASan (which reports stack
+// overflows itself) this handler, on a stack of its own, says so before the crash.
+constexpr size_t kAltStack = 64 * 1024;
+
+#ifndef ULY__ASAN
+void on_segv(int sig, siginfo_t *info, void *) {
+    const Worker *w = tw;
+    const char *a = static_cast<const char *>(info->si_addr);
+    if (w && w->cur && a < w->cur->stack && a >= w->cur->stack - page_size()) {
+        static const char msg[] =
+            "cuda_emu: a CUDA thread overflowed its fiber stack; set ULY_EMU_STACK_KB higher\n";
+        ssize_t ignored = write(2, msg, sizeof msg - 1);
+        (void)ignored;
+    }
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+#endif
+
+void catch_stack_overflow(void *altstack) {
+#ifdef ULY__ASAN
+    (void)altstack;
+#else
+    stack_t ss{};
+    ss.ss_sp = altstack;
+    ss.ss_size = kAltStack;
+    sigaltstack(&ss, nullptr);
+    static std::once_flag once;
+    std::call_once(once, [] {
+        struct sigaction sa {};
+        sa.sa_sigaction = on_segv;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+        sigaction(SIGSEGV, &sa, nullptr);
+    });
+#endif
+}
+
+// Owns the calling thread's Worker and the stack its signal handler runs on.
 struct WorkerOwner {
     std::unique_ptr<Worker> w;
+    std::unique_ptr<char[]> altstack;
     ~WorkerOwner() {
         if (!w) return;
+        stack_t off{};
+        off.ss_flags = SS_DISABLE;
+        sigaltstack(&off, nullptr);
         tw = nullptr;
         std::lock_guard<std::mutex> lock(spare_m);
         spare.push_back(std::move(w));
@@ -826,6 +869,8 @@ Worker &worker() {
         }
     }
     if (!owner.w) owner.w = std::make_unique<Worker>();
+    owner.altstack.reset(new char[kAltStack]);
+    catch_stack_overflow(owner.altstack.get());
     tw = owner.w.get();
     thread_stack_bounds(&tw->sched_bottom, &tw->sched_size);
     return *tw;
