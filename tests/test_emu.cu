@@ -583,7 +583,8 @@ static std::string expect_failure(cudaError_t want) {
     cudaError_t e = launch_error();
     CHECK(e == want, "launch returned %s, want %s", cudaGetErrorName(e), cudaGetErrorName(want));
     std::string report = uly_emu_last_failure();
-    CHECK(contains(report, "seed"), "report lacks the seed: %s", report.c_str());
+    CHECK(contains(report, ("seed " + std::to_string(uly_emu_seed())).c_str()),
+          "report lacks the seed: %s", report.c_str());
     return report;
 }
 

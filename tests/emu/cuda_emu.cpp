@@ -183,7 +183,6 @@ struct Worker {
     // The block being run.
     Grid *grid = nullptr;
     Fiber *cur = nullptr;
-    unsigned block = 0;
     size_t smem_size = 0;
     unsigned n = 0, live = 0, exited = 0, at_bar = 0;
     const char *bar_file = nullptr;
@@ -549,20 +548,21 @@ void release_barrier(Worker &w) {
     for (unsigned i = 0; i < k; i++) w.fibers[w.ready[i]].state = State::ready;
 }
 
-// Shuffle source lane and validity, as the PTX ISA defines shfl.sync: c holds the segment mask
-// (bits 12:8) and the clamp (bits 4:0); an invalid source returns the lane's own value.
-unsigned shfl_source(int op, unsigned lane, int b, int c, bool *valid) {
-    int bval = b & 31, cval = c & 31, seg = (c >> 8) & 31;
-    int max_lane = ((int)lane & seg) | (cval & ~seg);
-    int min_lane = (int)lane & seg;
-    int j = 0;
+// The lane a shuffle reads, as the PTX ISA defines shfl.sync: c holds the segment mask (bits
+// 12:8) and the clamp (bits 4:0); a source past the clamp means the lane's own value.
+unsigned shfl_source(int op, unsigned lane, int b, int c) {
+    const int bval = b & 31, cval = c & 31, seg = (c >> 8) & 31;
+    const int max_lane = ((int)lane & seg) | (cval & ~seg);
+    const int min_lane = (int)lane & seg;
+    int j;
+    bool valid;
     switch (op) {
-    case ULY_EMU_SHFL_UP: j = (int)lane - bval; *valid = j >= max_lane; break;
-    case ULY_EMU_SHFL_DOWN: j = (int)lane + bval; *valid = j <= max_lane; break;
-    case ULY_EMU_SHFL_BFLY: j = (int)lane ^ bval; *valid = j <= max_lane; break;
-    default: j = min_lane | (bval & ~seg); *valid = j <= max_lane; break;
+    case ULY_EMU_SHFL_UP: j = (int)lane - bval; valid = j >= max_lane; break;
+    case ULY_EMU_SHFL_DOWN: j = (int)lane + bval; valid = j <= max_lane; break;
+    case ULY_EMU_SHFL_BFLY: j = (int)lane ^ bval; valid = j <= max_lane; break;
+    default: j = min_lane | (bval & ~seg); valid = j <= max_lane; break;
     }
-    return *valid ? (unsigned)j : lane;
+    return valid ? (unsigned)j : lane;
 }
 
 Fiber *lanes_of(Worker &w, unsigned warp) { return &w.fibers[warp * 32]; }
@@ -571,8 +571,7 @@ void complete_shfl(Worker &w, unsigned warp, unsigned mask) {
     Fiber *lane = lanes_of(w, warp);
     for (unsigned m = mask; m; m &= m - 1) {
         unsigned i = __builtin_ctz(m);
-        bool valid;
-        unsigned j = shfl_source(lane[i].op.op, i, lane[i].op.b, lane[i].op.c, &valid);
+        unsigned j = shfl_source(lane[i].op.op, i, lane[i].op.b, lane[i].op.c);
         // Reading a lane outside the member mask is undefined: hand back poison.
         lane[i].op.result = (mask >> j) & 1 ? lane[j].op.value : kPoison;
     }
@@ -594,8 +593,9 @@ float half_bits_to_float(uint16_t h, int type) {
 }
 
 // D = A*B + C for mma.m16n8k{8,16}.row.col.f32, with the fragment layouts of the PTX ISA
-// (groupID = lane / 4, threadID_in_group = lane % 4). Products and sums are exact in double and
-// rounded once to float; hardware rounds its own way, within the tests' tolerances.
+// (groupID = lane / 4, threadID_in_group = lane % 4). The products are exact; they are summed
+// with C in double, in order of k, and rounded once to float. Hardware rounds its own way in the
+// last bits.
 void complete_mma(Worker &w, unsigned warp) {
     Fiber *lane = lanes_of(w, warp);
     const int k = lane[0].op.b, type = lane[0].op.c;
@@ -905,7 +905,6 @@ void init_fiber(Worker &w, Fiber &f, unsigned id, const dim3 &bd) {
 void init_block(Worker &w, Grid &grid, unsigned block) {
     const uly_emu_grid &g = grid.g;
     w.grid = &grid;
-    w.block = block;
     blockIdx = uint3{block % g.grid.x, block / g.grid.x % g.grid.y,
                      block / (g.grid.x * g.grid.y)};
     blockDim = g.block;
