@@ -115,8 +115,12 @@ static uly_status uly__cuda(cudaError_t e, const char *what) {
    and may overlap (a kv head several ranks need); an unpack writes an overlapping head once,
    from the first box that holds it, as the sum of its copies. */
 
+/* A grid of at most 2048 blocks of 256 threads (about two waves on an H100) strides over the
+   boxes: big enough to keep every SM's memory pipes full, small enough to need no tail. */
 enum { ULY__COPY_THREADS = 256, ULY__COPY_BLOCKS = 2048 };
 
+/* The kernel's parameters, by value: the per-peer tables make them about 6 KB, which CUDA
+   allows since 12.1 (32 KB; 4 KB before), and they sit in constant memory, read by index. */
 struct uly__boxes {
     void *t, *buf;
     int64_t sb, ss, sh;        /* t's strides, elements */
