@@ -239,7 +239,7 @@ GPU_BINS  += $(CUDA_TESTS:%=$(BUILD)/gpu/%) $(BUILD)/gpu/sp_attention_nccl
 
 # Layout bandwidth against cudaMemcpyAsync, and the phases of one SP layer on 4 virtual ranks.
 CUDA_BENCHES = bench_layout bench_layer
-$(CUDA_BENCHES:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: bench/%.cu $(CUDA_HDRS)
+$(CUDA_BENCHES:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: bench/%.cu bench/bench_cuda.h $(CUDA_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@
 GPU_BINS    += $(CUDA_BENCHES:%=$(BUILD)/gpu/%)

@@ -11,44 +11,10 @@
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
-
-#include <stdio.h>
-#include <stdlib.h>
-#include <vector>
+#include "bench_cuda.h"
 
 enum { P = 4, H = 32, HKV = 8, D = 128, RUNS = 3, MARKS = 64 };
 static const char *const phases[] = {"pack", "exchange", "attention", "unpack"};
-
-#define CUDA_OK(x)                                                                             \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                           \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
-
-static void ok(uly_status st, const char *what) {
-    if (!st.code) return;
-    fprintf(stderr, "%s: %s\n", what, st.msg);
-    exit(1);
-}
-
-__global__ void fill(__nv_bfloat16 *x, int64_t n, uint32_t seed) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-        x[i] = __float2bfloat16((float)(h & 0xffff) / 32768.f - 1.f);
-    }
-}
-
-static __nv_bfloat16 *random_bf16(int64_t n, uint32_t seed, cudaStream_t s) {
-    __nv_bfloat16 *x;
-    CUDA_OK(cudaMalloc((void **)&x, (size_t)n * 2));
-    ULY_LAUNCH(fill, dim3(1024), dim3(256), 0, s, x, n, seed);
-    return x;
-}
 
 /* Events at the phase hooks of one pass (forward or backward) on rank 0's stream. */
 typedef struct timeline {
@@ -90,18 +56,18 @@ static void rank_main(const uly_comm *comm, void *user) {
     memset(&d, 0, sizeof d);
     d.world_size = P, d.rank = comm->rank, d.sp_size = P, d.batch = 1, d.seq_len = b->S;
     d.n_heads = H, d.n_kv_heads = HKV, d.head_dim = D, d.dtype = ULY_BF16;
-    ok(uly_plan_init(&plan, &d), "uly_plan_init");
+    bench_ok(uly_plan_init(&plan, &d), "uly_plan_init");
     const int64_t Sr = uly_tokens(&plan, plan.sp_rank).count, nq = Sr * H * D;
     cudaStream_t s;
     CUDA_OK(cudaStreamCreate(&s));
 
     uly_tensor q, k, v, dq, dk, dv;
-    __nv_bfloat16 *qkv = random_bf16(Sr * (H + 2 * HKV) * D, 1 + comm->rank, s);
-    __nv_bfloat16 *dqkv = random_bf16(Sr * (H + 2 * HKV) * D, 0, s);
+    __nv_bfloat16 *qkv = bench_random(Sr * (H + 2 * HKV) * D, 1 + comm->rank, s);
+    __nv_bfloat16 *dqkv = bench_random(Sr * (H + 2 * HKV) * D, 0, s);
     uly_qkv_views(qkv, ULY_BF16, 1, Sr, H, HKV, D, &q, &k, &v);
     uly_qkv_views(dqkv, ULY_BF16, 1, Sr, H, HKV, D, &dq, &dk, &dv);
-    uly_tensor out = uly_dense(random_bf16(nq, 0, s), ULY_BF16, 1, Sr, H, D);
-    uly_tensor dout = uly_dense(random_bf16(nq, 5 + comm->rank, s), ULY_BF16, 1, Sr, H, D);
+    uly_tensor out = uly_dense(bench_random(nq, 0, s), ULY_BF16, 1, Sr, H, D);
+    uly_tensor dout = uly_dense(bench_random(nq, 5 + comm->rank, s), ULY_BF16, 1, Sr, H, D);
 
     timeline t;
     memset(&t, 0, sizeof t);
@@ -119,10 +85,10 @@ static void rank_main(const uly_comm *comm, void *user) {
     CUDA_OK(cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan)));
 
     for (int run = 0; run <= RUNS; run++) {
-        ok(uly_forward(&L, q, k, v, out, saved), "uly_forward");
+        bench_ok(uly_forward(&L, q, k, v, out, saved), "uly_forward");
         if (comm->rank == 0 && run) add_up(&t, b->fwd);
         t.n = 0;
-        ok(uly_backward(&L, dout, saved, dq, dk, dv), "uly_backward");
+        bench_ok(uly_backward(&L, dout, saved, dq, dk, dv), "uly_backward");
         if (comm->rank == 0 && run) add_up(&t, b->bwd);
         t.n = 0;
     }
@@ -154,7 +120,7 @@ int main(int argc, char **argv) {
         bench b;
         memset(&b, 0, sizeof b);
         b.S = S;
-        ok(uly_cuda_local_run(P, rank_main, &b), "uly_cuda_local_run");
+        bench_ok(uly_cuda_local_run(P, rank_main, &b), "uly_cuda_local_run");
         print_pass("forward", S, b.fwd);
         print_pass("backward", S, b.bwd);
     }

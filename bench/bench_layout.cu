@@ -10,48 +10,9 @@
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
-
-#include <algorithm>
-#include <stdio.h>
-#include <stdlib.h>
-#include <vector>
+#include "bench_cuda.h"
 
 enum { P = 8, B = 2, H = 32, HKV = 4, D = 128 };
-
-#define CUDA_OK(x)                                                                             \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                           \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
-
-static void ok(uly_status st) {
-    if (!st.code) return;
-    fprintf(stderr, "%s\n", st.msg);
-    exit(1);
-}
-
-/* Median milliseconds of fn on stream s over 20 runs after 3 warm-ups. */
-template <typename F> static double time_ms(cudaStream_t s, F fn) {
-    cudaEvent_t a, b;
-    CUDA_OK(cudaEventCreate(&a));
-    CUDA_OK(cudaEventCreate(&b));
-    std::vector<float> ms;
-    for (int i = 0; i < 23; i++) {
-        CUDA_OK(cudaEventRecord(a, s));
-        fn();
-        CUDA_OK(cudaEventRecord(b, s));
-        CUDA_OK(cudaEventSynchronize(b));
-        float t;
-        CUDA_OK(cudaEventElapsedTime(&t, a, b));
-        if (i >= 3) ms.push_back(t);
-    }
-    cudaEventDestroy(a), cudaEventDestroy(b);
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
 
 static void *device(int64_t bytes) {
     void *p;
@@ -82,7 +43,7 @@ static void bench_size(double mb, cudaStream_t s) {
     memset(&d, 0, sizeof d);
     d.world_size = P, d.rank = 0, d.sp_size = P, d.batch = B, d.seq_len = Sr * P;
     d.n_heads = H, d.n_kv_heads = HKV, d.head_dim = D, d.dtype = ULY_BF16;
-    ok(uly_plan_init(&plan, &d));
+    bench_ok(uly_plan_init(&plan, &d), "uly_plan_init");
     const int64_t heads_r = uly_heads(&plan, 0).count, kv_r = uly_kv_heads(&plan, 0).count;
     const int64_t fused = (int64_t)B * Sr * (H + 2 * HKV) * D * 2;
     const int64_t head_side = (int64_t)B * d.seq_len * heads_r * D * 2;
@@ -102,11 +63,11 @@ static void bench_size(double mb, cudaStream_t s) {
                                       : uly_dense(dense_seq, ULY_BF16, B, Sr, kv ? HKV : H, D))
                            : uly_dense(head, ULY_BF16, B, d.seq_len, kv ? kv_r : heads_r, D);
         const int64_t bytes = c.unpack ? uly_recv_bytes(&plan, c.x) : uly_send_bytes(&plan, c.x);
-        const double k = time_ms(s, [&] {
-            ok(c.unpack ? l.unpack(l.ctx, &plan, c.x, buf, t, s)
-                        : l.pack(l.ctx, &plan, c.x, t, buf, s));
+        const double k = bench_median_ms(s, 3, 20, [&] {
+            bench_ok(c.unpack ? l.unpack(l.ctx, &plan, c.x, buf, t, s)
+                              : l.pack(l.ctx, &plan, c.x, t, buf, s), c.name);
         });
-        const double m = time_ms(s, [&] {
+        const double m = bench_median_ms(s, 3, 20, [&] {
             CUDA_OK(cudaMemcpyAsync(copy, buf, (size_t)bytes, cudaMemcpyDeviceToDevice, s));
         });
         printf("%-26s %9.1f %10.3f %10.3f %9.1f %9.1f %6.2f\n", c.name, bytes / 1048576.0, k, m,
