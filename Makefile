@@ -162,7 +162,7 @@ endif
 # are compiled with $(CXX) $(EMU_CXXFLAGS) -x c++ test.cu.
 # Kernels write `#pragma unroll`, which GCC before 13 warns about (and no pragma silences).
 EMU_CXXFLAGS += -Wno-unknown-pragmas
-EMU_HDRS     = tests/emu/cuda_emu.h wip/cuda_ptx.cuh tests/check.h
+EMU_HDRS     = tests/emu/cuda_emu.h ulysses.h ulysses_cuda.cuh tests/check.h
 EMU_OBJ      = $(BUILD)/emu/cuda_emu.o
 EMU_ASAN_OBJ = $(BUILD)/asan/emu/cuda_emu.o
 
@@ -183,7 +183,7 @@ $(BUILD)/bench_emu: bench/bench_emu.cu $(EMU_HDRS) $(EMU_OBJ)
 	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
 # The same self-test on a GPU: built whenever nvcc is here (so make test proves it compiles for
 # sm_80 and sm_90), run by make test-gpu.
-$(BUILD)/gpu/test_emu: tests/test_emu.cu wip/cuda_ptx.cuh tests/check.h
+$(BUILD)/gpu/test_emu: tests/test_emu.cu ulysses.h ulysses_cuda.cuh tests/check.h
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@
 
@@ -195,11 +195,11 @@ BENCHES    += $(BUILD)/bench_emu
 BENCH_BINS += $(BUILD)/bench_emu
 
 # --- cuda ---
-# The GPU layer (wip/cuda_layout.cuh): layout kernels, device-local and NCCL communicators, the
+# The GPU layer (ulysses_cuda.cuh): layout kernels, device-local and NCCL communicators, the
 # reference attention. test_cuda_layout and test_cuda_layer run under the emulator, plain and
 # ASan (make test), and on a GPU (make test-gpu). make test also builds them and the NCCL example
 # with nvcc for sm_80 and sm_90 (-Werror, -lnccl) and fails if a layout kernel spills.
-CUDA_HDRS  = ulysses.h ulysses_cuda.cuh wip/cuda_layout.cuh wip/cuda_flash.cuh tests/ref64.h \
+CUDA_HDRS  = ulysses.h ulysses_cuda.cuh tests/ref64.h \
              tests/sp_case.h $(EMU_HDRS)
 CUDA_TESTS = test_cuda_layout test_cuda_layer
 HAVE_NCCL := $(shell test -f $(CUDA_HOME)/include/nccl.h -o -f /usr/include/nccl.h && echo 1)
@@ -246,12 +246,12 @@ GPU_BINS    += $(CUDA_BENCHES:%=$(BUILD)/gpu/%)
 GPU_BENCHES += $(CUDA_BENCHES:%=$(BUILD)/gpu/%)
 
 # --- attention kernels ---
-# The flash kernels (wip/cuda_flash.cuh). test_flash checks them against fp64, plain-precision
+# The flash kernels (ulysses_cuda.cuh). test_flash checks them against fp64, plain-precision
 # and CPU references: under the emulator, plain and ASan builds (make test), and on a GPU (make
 # test-gpu). Its nvcc build (sm_80 and sm_90, -Werror) keeps ptxas -v's report, and make test
 # fails if any flash kernel spills registers. test_flash_gpu (cuBLASLt agreement) runs on a GPU
 # only; make test still builds it when nvcc is here.
-FLASH_HDRS = ulysses.h ulysses_cuda.cuh wip/cuda_flash.cuh wip/cuda_layout.cuh tests/flash_case.h \
+FLASH_HDRS = ulysses.h ulysses_cuda.cuh tests/flash_case.h \
              $(EMU_HDRS)
 
 $(BUILD)/test_flash: tests/test_flash.cu $(FLASH_HDRS) $(EMU_OBJ)

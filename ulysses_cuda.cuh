@@ -1,19 +1,2142 @@
-/* ulysses_cuda.cuh - the GPU side of ulysses: layout kernels, NCCL and device-local
-   communicators, FlashAttention-compatible attention kernels, on the API of ulysses.h.
+/* ulysses_cuda.cuh - the GPU side of ulysses: layout kernels, the device-local and NCCL
+   communicators, FlashAttention-compatible attention kernels. MIT license, see the end.
 
-   (Under construction: the sections live in wip/ while several engineers write them, and are
-   merged into this one file before release.)
+   It runs ulysses.h's layer on GPUs. The driver (uly_forward, uly_backward) only calls the
+   layer's layout, communicator and attention, so on the GPU the same driver runs with
+       L.layout = uly_cuda_layout()           pack/unpack kernels on (cudaStream_t)L.stream
+       L.comm   = a device communicator       device-local (P ranks on one GPU) or NCCL
+       L.attn   = uly_flash_attention()       or uly_cuda_reference_attention() to check it
+   which uly_cuda_layer() fills in: the SP layer uses the flash kernels by default. L.workspace,
+   `saved` and every tensor are GPU memory. Nothing here allocates: pack, unpack, alltoallv and
+   the attention queue work on the stream, and every call returns a uly_status.
+
+   Like ulysses.h it is stb-style: declarations here, the implementation behind
+   ULYSSES_IMPLEMENTATION in exactly one .cu file, which also makes ulysses.h's:
+
+       #include <nccl.h>
+       #define ULYSSES_NCCL
+       #define ULYSSES_IMPLEMENTATION
+       #include "ulysses_cuda.cuh"
+
+   USAGE: one SP attention layer, one GPU per rank (examples/sp_attention_nccl.cu in full)
+
+       ncclComm_t world, sp, dp;                 // world from ncclCommInitRank, MPI bootstrap
+       uly_nccl_split(world, P, &sp, &dp);       // SP: P consecutive ranks; DP: across groups
+       uly_nccl nccl = {sp, d_scratch};          // ULY_NCCL_SCRATCH doubles of device memory
+       uly_comm comm;
+       uly_nccl_comm(&nccl, &comm);
+       uly_plan_desc desc = {world_size, rank, P, B, S, H, Hkv, D, ULY_BF16};
+       uly_plan plan;
+       uly_status st = uly_plan_init(&plan, &desc);
+       uly_layer L = uly_cuda_layer(&plan, &comm, stream);
+       L.causal = 1;
+       L.workspace_bytes = uly_layer_workspace(&L);
+       cudaMalloc(&L.workspace, L.workspace_bytes);
+       cudaMalloc(&saved, uly_saved_bytes(&plan));
+       uly_qkv_views(d_qkv, ULY_BF16, B, S_r, H, Hkv, D, &q, &k, &v);  // llm.c's fused QKV
+       st = uly_forward(&L, q, k, v, out, saved);
+       st = uly_backward(&L, dout, saved, dq, dk, dv);
+
+   WHAT IS HERE
+       Layout kernels: every exchange is one launch of one kernel, a strided box copy. bf16,
+       fp16, fp32; 16-byte accesses where the tensor's address and strides allow, element
+       accesses otherwise; int64 indexing. A kv head that several ranks received comes back as
+       several gradient copies, which the DKV unpack sums in fp32 in peer order, rounding once.
+
+       Communicators (uly_comm with device = 1: buffers are GPU memory, work on the given stream):
+           uly_cuda_local_run   P virtual ranks on the current GPU, as threads (tests, benchmarks)
+           uly_nccl_comm        NCCL (ULYSSES_NCCL): ncclAlltoAll (NCCL >= 2.28) when every peer
+                                gets the same count, grouped ncclSend/ncclRecv otherwise
+           uly_nccl_split       SP and DP communicators from a world one (ncclCommSplit)
+           uly_nccl_wait        waits for a stream while watching NCCL's asynchronous errors
+
+       Attention: uly_flash_attention() is a uly_attn (the contract of ulysses.h): bf16 and fp16,
+       head dims 64 and 128, fp32 accumulation, causal (bottom-right) or not, GQA/MQA with groups
+       split across SP ranks (q_head0, kv_group), Sq != Sk, any lengths, strided q/k/v/o (last
+       dim contiguous, rows 16-byte aligned), lse fp32 [B, H, Sq]. Fully masked rows give 0 and
+       lse = +inf, never NaN; a deterministic mode. uly_flash_varlen_* run packed documents
+       (cu_seqlens). uly_cublaslt_attention() (ULYSSES_CUBLASLT) is the unfused cuBLASLt path:
+       the GPU-side second reference, and the fallback for any D <= 256, D % 8 == 0.
+
+       The flash kernels (sm_80 and newer: mma.sync m16n8k16, ldmatrix, cp.async) are built from
+       a few tile primitives, so each reads like its algorithm:
+           uly__tile_load / uly__tile_store    global <-> swizzled shared tile (cp.async, 16 B)
+           uly__mma_ss / uly__mma_rs           a warp's C += A * B, A from shared memory or registers
+           uly__online_softmax                 FlashAttention's running max and sum, exp2 domain
+           uly__softmax_grad                   P = exp(s - lse), dS = P * (dP - Dsum)
+       Forward: a block owns BM query rows and streams the key blocks (last first, so only the
+       first iterations need the mask); the loads of K and V each overlap the other's GEMM.
+       Backward: a pre-pass computes Dsum = rowsum(dout * out) and clears the fp32 dQ
+       accumulator; the main kernel owns BN keys of one kv head, loops over the query blocks of
+       every query head of its GQA group (so dK and dV are summed in registers, in a fixed order)
+       and adds dQ into the fp32 accumulator with atomics; a post-pass scales and converts dQ.
+       Deterministic mode replaces the atomics with a second kernel that owns BM query rows and
+       recomputes P and dS to sum dQ over the key blocks in order: bitwise-identical results,
+       about 1.4x the backward's FLOPs. Tile sizes live in one traits table per head dim
+       (uly__fa_traits).
 
    OPTIONS (define before including)
-       ULYSSES_NCCL   build the NCCL communicator (include <nccl.h> first; link -lnccl)
-   Under the project's CUDA host emulator (tests/emu) the same source runs on the CPU. */
+       ULYSSES_NCCL       the NCCL communicator (include <nccl.h> first; link -lnccl)
+       ULYSSES_CUBLASLT   the cuBLASLt attention (include <cublasLt.h> first; link -lcublasLt)
+   Needs CUDA 12.1 or newer (the layout kernel takes its per-peer tables as a large parameter).
+
+   KERNEL RULES, so that the project's CUDA host emulator (tests/emu) runs this same source on a
+   CPU in CI: launches only through ULY_LAUNCH, dynamic shared memory only through ULY_DYN_SMEM,
+   every PTX instruction in one uly_ wrapper (asm on the GPU, the emulator's function under
+   ULY_EMU), no device globals beyond __constant__ tables. */
 #ifndef ULYSSES_CUDA_CUH
 #define ULYSSES_CUDA_CUH
 
 #include "ulysses.h"
 
-#include "wip/cuda_ptx.cuh"
-#include "wip/cuda_layout.cuh"
-#include "wip/cuda_flash.cuh"
+/* ---------------------------------------------------------------------------------------------
+   Declarations */
 
+#ifdef __cplusplus
+extern "C" {
 #endif
+
+/* Pack and unpack kernels, launched on the stream argument (a cudaStream_t). The tensor's
+   address must be a multiple of its element size; 16-byte accesses need 16-byte alignment of
+   the address, the strides and the rows (D * element size), and anything else takes the
+   element-wise path. ctx is unused. */
+ULYDEF uly_layout uly_cuda_layout(void);
+
+/* Runs fn(comm, user) on `size` threads, one per virtual rank of an SP group on the calling
+   thread's GPU, and waits for all of them. Each rank works on its own stream (the stream
+   argument of each call); alltoallv copies device to device between the ranks' buffers, ordered
+   by events, so the streams of different ranks run concurrently. allreduce_sum takes GPU or
+   host memory and synchronizes the stream. barrier meets the host threads. */
+ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
+                                     void *user);
+
+/* A plain attention for tests: one thread per query row (forward, dQ) or key row (dK, dV),
+   fp32 accumulation, any dtype, head dims up to 256, the whole uly_attn contract. Always
+   deterministic. The backward's workspace holds Dsum, fp32 [B, H, Sq]. ctx is unused. */
+ULYDEF uly_attn uly_cuda_reference_attention(void);
+
+#ifdef ULYSSES_NCCL
+/* An NCCL communicator over `comm` (one SP group, one GPU per rank). NCCL moves GPU memory
+   only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier go through `scratch`,
+   ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL: they return
+   ULY_EUNSUPPORTED), and wait for the stream. Failures return ULY_ECOMM with NCCL's message. */
+enum { ULY_NCCL_SCRATCH = 64 };
+typedef struct uly_nccl {
+    ncclComm_t comm;
+    double *scratch;
+} uly_nccl;
+ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
+/* Splits world into SP groups of sp_size consecutive ranks and DP groups across them. */
+ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, ncclComm_t *dp);
+/* Waits until the work queued on stream is done, polling NCCL for an asynchronous error (a
+   peer that died, a network failure). On such an error, or after timeout_s seconds (0: no
+   limit), it aborts comm, so the stream can drain, and returns ULY_ECOMM: never a silent hang. */
+ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s);
+#endif
+
+/* The SP layer on the GPU with this file's defaults: uly_cuda_layout() and
+   uly_flash_attention(); the caller sets causal, softmax_scale and the workspace. */
+ULYDEF uly_layer uly_cuda_layer(const uly_plan *plan, const uly_comm *comm, void *stream);
+
+/* Packed variable-length documents (FlashAttention's varlen): the documents of a batch are
+   concatenated along the sequence. q and o are [1, total_q, H, D], k and v [1, total_k, Hkv, D]
+   (same rules as the dense contract), lse fp32 [H, total_q]. Document b owns query rows
+   [cu_seqlens_q[b], cu_seqlens_q[b+1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]);
+   attention, and the bottom-right causal mask, stay inside a document. */
+typedef struct uly_varlen {
+    const int32_t *cu_seqlens_q; /* device memory, [batch + 1], starting at 0, nondecreasing */
+    const int32_t *cu_seqlens_k; /* device memory, [batch + 1] */
+    int64_t batch;
+    int64_t max_seqlen_q;        /* the longest document's query and key counts (grid size) */
+    int64_t max_seqlen_k;
+} uly_varlen;
+
+/* The flash kernels as a uly_attn. ctx is unused. The backward's workspace holds Dsum and, unless
+   deterministic, the fp32 dQ accumulator; the forward needs none. */
+ULYDEF uly_attn uly_flash_attention(void);
+
+/* Varlen: args as for the dense calls, with q.b == k.b == 1 and the documents taken from v.
+   The workspace is the dense query's: uly_flash_attention().workspace(NULL, a). */
+ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v);
+ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v);
+
+#ifdef ULYSSES_CUBLASLT
+/* The unfused attention on cuBLASLt (include <cublasLt.h> first, link -lcublasLt): S = Q K^T and
+   O = P V as batched GEMMs over each GQA group, a masked softmax kernel between them, and the
+   backward the same way (dP = dO V^T, dS = P (dP - Dsum), dQ = dS K, dK and dV summed over the
+   group in fp32). Every intermediate is materialized ([group, Sq, Sk] per kv head at a time),
+   rounded to the dtype as a plain attention does: the GPU-side second reference for the flash
+   kernels, and the fallback for head dims they do not cover (any D <= 256, D % 8 == 0; bf16 and
+   fp16; dense or strided). Deterministic. ctx is the handle. */
+ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+   PTX primitives. Every PTX instruction the kernels use sits in one small uly_ wrapper: inline
+   asm for the GPU, or the CUDA host emulator's function when ULY_EMU is defined
+   (tests/emu/cuda_emu.h). Kernels launch through ULY_LAUNCH and get dynamic shared memory through
+   ULY_DYN_SMEM, which the emulator defines first. */
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <type_traits>
+
+#ifndef ULY_LAUNCH
+#define ULY_LAUNCH(kernel, grid, block, smem_bytes, stream, ...)                                  \
+    kernel<<<grid, block, smem_bytes, stream>>>(__VA_ARGS__)
+#endif
+
+// Dynamic shared memory, 128-byte aligned (swizzled tiles and cp.async need at least 16).
+#ifndef ULY_DYN_SMEM
+#define ULY_DYN_SMEM(T, name)                                                                      \
+    extern __shared__ __align__(128) unsigned char uly__dyn_smem[];                               \
+    T *name = reinterpret_cast<T *>(uly__dyn_smem)
+#endif
+
+// %laneid: the thread's lane in its warp.
+static __device__ __forceinline__ uint32_t uly_lane_id() {
+#ifdef ULY_EMU
+    return uly_emu_lane_id();
+#else
+    uint32_t lane;
+    asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+    return lane;
+#endif
+}
+
+// The 32-bit shared-window address of a pointer into shared memory (ldmatrix, cp.async).
+static __device__ __forceinline__ uint32_t uly_smem_addr(const void *p) {
+#ifdef ULY_EMU
+    return uly_emu_smem_addr(p);
+#else
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#endif
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32: D = A*B + C for one warp, T = bf16 or half,
+// fragments as in the PTX ISA. d may alias c.
+template <typename T>
+static __device__ __forceinline__ void uly_mma_m16n8k16(float d[4], const uint32_t a[4],
+                                                        const uint32_t b[2], const float c[4]) {
+    static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
+                  "mma operands are bf16 or half");
+#ifdef ULY_EMU
+    uly_emu_mma(16, std::is_same<T, __half>::value ? ULY_EMU_F16 : ULY_EMU_BF16, d, a, b, c);
+#else
+    if constexpr (std::is_same<T, __half>::value) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    }
+#endif
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.T.T.f32. d may alias c.
+template <typename T>
+static __device__ __forceinline__ void uly_mma_m16n8k8(float d[4], const uint32_t a[2],
+                                                       const uint32_t b[1], const float c[4]) {
+    static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
+                  "mma operands are bf16 or half");
+#ifdef ULY_EMU
+    uly_emu_mma(8, std::is_same<T, __half>::value ? ULY_EMU_F16 : ULY_EMU_BF16, d, a, b, c);
+#else
+    if constexpr (std::is_same<T, __half>::value) {
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(b[0]),
+                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(b[0]),
+                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    }
+#endif
+}
+
+// ldmatrix.sync.aligned.m8n8.xN{.trans}.shared.b16: N 8x8 matrices of 16-bit elements; lane
+// 8*i + r passes the address of row r of matrix i (16 bytes, 16-byte aligned).
+template <int N, bool TRANS>
+static __device__ __forceinline__ void uly_ldmatrix(uint32_t r[N], uint32_t smem_addr) {
+    static_assert(N == 1 || N == 2 || N == 4, "ldmatrix loads 1, 2 or 4 matrices");
+#ifdef ULY_EMU
+    uly_emu_ldmatrix(N, TRANS, r, smem_addr);
+#else
+    if constexpr (N == 1 && !TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];"
+                     : "=r"(r[0]) : "r"(smem_addr) : "memory");
+    else if constexpr (N == 1)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];"
+                     : "=r"(r[0]) : "r"(smem_addr) : "memory");
+    else if constexpr (N == 2 && !TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                     : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr) : "memory");
+    else if constexpr (N == 2)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                     : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr) : "memory");
+    else if constexpr (!TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr)
+                     : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr)
+                     : "memory");
+#endif
+}
+
+// cp.async.{ca,cg}.shared.global of BYTES (4, 8 or 16; .cg, which bypasses L1, for 16): copies
+// src_bytes from global memory and zero-fills the rest (src_bytes = 0: a pure zero fill).
+template <int BYTES>
+static __device__ __forceinline__ void uly_cp_async(uint32_t smem_addr, const void *gmem,
+                                                    int src_bytes) {
+    static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+#ifdef ULY_EMU
+    uly_emu_cp_async(smem_addr, gmem, BYTES, src_bytes);
+#else
+    if constexpr (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                     :: "r"(smem_addr), "l"(gmem), "r"(src_bytes) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+                     :: "r"(smem_addr), "l"(gmem), "n"(BYTES), "r"(src_bytes) : "memory");
+#endif
+}
+
+// Closes the group of cp.async issued since the last commit.
+static __device__ __forceinline__ void uly_cp_async_commit() {
+#ifdef ULY_EMU
+    uly_emu_cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed groups are pending.
+template <int N>
+static __device__ __forceinline__ void uly_cp_async_wait() {
+#ifdef ULY_EMU
+    uly_emu_cp_async_wait(N);
+#else
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+
+// Waits for all of this thread's cp.async, committed or not.
+static __device__ __forceinline__ void uly_cp_async_wait_all() {
+#ifdef ULY_EMU
+    uly_emu_cp_async_commit();
+    uly_emu_cp_async_wait(0);
+#else
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+#endif /* ULYSSES_CUDA_CUH */
+
+/* ---------------------------------------------------------------------------------------------
+   Implementation */
+
+#ifdef ULYSSES_IMPLEMENTATION
+
+/* Element conversions: values travel as T, sums happen in fp32 and round once. */
+static __device__ __forceinline__ float uly__widen(float x) { return x; }
+static __device__ __forceinline__ float uly__widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+static __device__ __forceinline__ float uly__widen(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T uly__round(float x);
+template <> __device__ __forceinline__ float uly__round<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 uly__round<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ __half uly__round<__half>(float x) {
+    return __float2half_rn(x);
+}
+
+/* Calls f(T()) with the element type of t. */
+template <typename F> static uly_status uly__by_dtype(uly_dtype t, F f) {
+    switch (t) {
+    case ULY_BF16: return f(__nv_bfloat16());
+    case ULY_F16: return f(__half());
+    default: return f(0.0f);
+    }
+}
+
+/* The error of the last launch, or of a CUDA call. */
+static uly_status uly__cuda(cudaError_t e, const char *what) {
+    ULY__CHECK(e == cudaSuccess, ULY_ECUDA, "%s: %s (%s)", what, cudaGetErrorString(e),
+               cudaGetErrorName(e));
+    return uly__ok();
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Layout kernels
+
+   An exchange moves P boxes between a strided tensor t and the P dense blocks of an exchange
+   buffer: box j is the part of t that goes to or comes from peer j, [B, tokens, heads, D], and
+   block j holds it densely at element offset off[j]. On the sequence-layout side (pack Q and
+   KV, unpack O and DKV) the boxes split the heads and share this rank's tokens; on the
+   head-layout side they split the tokens and share this rank's heads. Head ranges are sorted
+   and may overlap (a kv head several ranks need); an unpack writes an overlapping head once,
+   from the first box that holds it, as the sum of its copies. */
+
+/* A grid of at most 2048 blocks of 256 threads (about two waves on an H100) strides over the
+   boxes: big enough to keep every SM's memory pipes full, small enough to need no tail. */
+enum { ULY__COPY_THREADS = 256, ULY__COPY_BLOCKS = 2048 };
+
+/* The kernel's parameters, by value: the per-peer tables make them about 6 KB, which CUDA
+   allows since 12.1 (32 KB; 4 KB before), and they sit in constant memory, read by index. */
+struct uly__boxes {
+    void *t, *buf;
+    int64_t sb, ss, sh;        /* t's strides, elements */
+    int64_t batch, width, dim; /* B, the extent of the dim all boxes share, D */
+    int n;                     /* boxes, one per peer */
+    int by_heads;              /* the boxes split heads (else tokens) */
+    int unpack;                /* buf -> t (else t -> buf) */
+    int merge;                 /* a row is all of a box's heads at one token: t's heads are
+                                  adjacent (sh == D) and no two boxes share a head */
+    int64_t start[ULY_MAX_SP], count[ULY_MAX_SP], off[ULY_MAX_SP]; /* split ranges, offsets */
+};
+
+template <typename T, int W> struct alignas(sizeof(T) * W) uly__vec {
+    T e[W];
+};
+
+/* Row `row` of block m, element e, as W values. */
+template <typename T, int W>
+__device__ __forceinline__ uly__vec<T, W> uly__block_at(const uly__boxes &x, int m, int64_t row,
+                                                        int64_t e) {
+    return *(const uly__vec<T, W> *)((const T *)x.buf + x.off[m] + row * x.dim + e);
+}
+
+/* dst = the sum of the copies of head h held by boxes j..k-1, at (b, s), element e of the row:
+   fp32 in box order, one rounding. */
+template <typename T, int W>
+__device__ __forceinline__ void uly__sum_copies(const uly__boxes &x, int j, int k, int64_t b,
+                                                int64_t s, int64_t h, int64_t e,
+                                                uly__vec<T, W> *dst) {
+    const int64_t bs = b * x.width + s; /* the boxes split heads and share the tokens */
+    uly__vec<T, W> v = uly__block_at<T, W>(x, j, bs * x.count[j] + h - x.start[j], e);
+    float acc[W];
+#pragma unroll
+    for (int w = 0; w < W; w++) acc[w] = uly__widen(v.e[w]);
+    for (int m = j + 1; m < k; m++) {
+        v = uly__block_at<T, W>(x, m, bs * x.count[m] + h - x.start[m], e);
+#pragma unroll
+        for (int w = 0; w < W; w++) acc[w] += uly__widen(v.e[w]);
+    }
+#pragma unroll
+    for (int w = 0; w < W; w++) v.e[w] = uly__round<T>(acc[w]);
+    *dst = v;
+}
+
+/* Grid (blocks, boxes): the blocks of column j stride over box j, W elements per access. */
+template <typename T, int W>
+__global__ void __launch_bounds__(ULY__COPY_THREADS) uly__box_copy(const uly__boxes x) {
+    typedef uly__vec<T, W> V;
+    const int j = (int)blockIdx.y;
+    const int64_t t0 = x.by_heads ? 0 : x.start[j], nt = x.by_heads ? x.width : x.count[j];
+    const int64_t h0 = x.by_heads ? x.start[j] : 0, nh = x.by_heads ? x.count[j] : x.width;
+    /* Unpack: the heads this box shares with the previous one are that box's to write. */
+    const int64_t h_first = x.unpack && x.by_heads && j > 0
+                                ? max((int64_t)0, x.start[j - 1] + x.count[j - 1] - h0)
+                                : 0;
+    const int64_t row_heads = x.merge ? nh : 1, rows = x.merge ? 1 : nh - h_first;
+    const int64_t nv = row_heads * x.dim / W; /* accesses per row */
+    const int64_t n = x.batch * nt * rows * nv;
+    const T *t = (const T *)x.t + t0 * x.ss + h0 * x.sh;
+    const T *blk = (const T *)x.buf + x.off[j];
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t e = i % nv * W, r = i / nv;
+        const int64_t h = h_first + r % rows, bs = r / rows, s = bs % nt, b = bs / nt;
+        V *tp = (V *)(t + b * x.sb + s * x.ss + h * x.sh + e);
+        V *bp = (V *)(blk + ((b * nt + s) * nh + h) * x.dim + e);
+        if (!x.unpack) {
+            *bp = *tp;
+            continue;
+        }
+        int k = j + 1; /* the later boxes that hold this head too */
+        while (x.by_heads && k < x.n && x.start[k] <= h0 + h) k++;
+        if (k == j + 1) *tp = *bp;
+        else uly__sum_copies<T, W>(x, j, k, b, s, h0 + h, e, tp);
+    }
+}
+
+/* The boxes of exchange x on this rank, from the plan's ranges and offsets. */
+static uly__boxes uly__boxes_of(const uly_plan *p, uly_xchg x, int unpack, uly_tensor t,
+                                void *buf) {
+    int64_t c[4][ULY_MAX_SP];
+    uly__boxes b;
+    uly_exchange_counts(p, x, c[0], c[1], c[2], c[3]);
+    b.t = t.data, b.buf = buf;
+    b.sb = t.sb, b.ss = t.ss, b.sh = t.sh;
+    b.batch = t.b, b.dim = t.d;
+    b.n = p->desc.sp_size;
+    b.by_heads = uly__to_head(x) != unpack;
+    b.unpack = unpack;
+    b.width = b.by_heads ? t.s : t.h;
+    int shared = 0;
+    for (int j = 0; j < b.n; j++) {
+        uly_range r = b.by_heads ? uly__xheads(p, x, j) : uly_tokens(p, j);
+        b.start[j] = r.start, b.count[j] = r.count;
+        b.off[j] = c[unpack ? 3 : 1][j] / p->elem_size;
+        shared |= j > 0 && r.start < b.start[j - 1] + b.count[j - 1];
+    }
+    b.merge = t.sh == t.d && !shared;
+    return b;
+}
+
+/* 16-byte accesses: every address a thread forms is a multiple of 16. */
+static int uly__can_vectorize(const uly__boxes &b, int64_t elem) {
+    uint64_t bits = (uint64_t)(uintptr_t)b.t | (uint64_t)(uintptr_t)b.buf;
+    bits |= (uint64_t)((b.sb | b.ss | b.sh | b.dim) * elem);
+    return bits % 16 == 0;
+}
+
+template <typename T> static uly_status uly__launch_boxes(const uly__boxes &b, cudaStream_t s) {
+    const int64_t w = uly__can_vectorize(b, sizeof(T)) ? 16 / sizeof(T) : 1;
+    int64_t most = 0; /* accesses in the largest box */
+    for (int j = 0; j < b.n; j++) {
+        most = uly__max(most, b.batch * b.width * b.count[j] * b.dim / w);
+    }
+    const int64_t blocks = uly__min((most + ULY__COPY_THREADS - 1) / ULY__COPY_THREADS,
+                                    uly__max(1, ULY__COPY_BLOCKS / b.n));
+    void (*kernel)(const uly__boxes) =
+        w > 1 ? uly__box_copy<T, 16 / sizeof(T)> : uly__box_copy<T, 1>;
+    ULY_LAUNCH(kernel, dim3((unsigned)blocks, (unsigned)b.n), dim3(ULY__COPY_THREADS), 0, s, b);
+    return uly__cuda(cudaGetLastError(), "layout kernel launch");
+}
+
+static uly_status uly__cuda_xfer(const uly_plan *p, uly_xchg x, int unpack, uly_tensor t,
+                                 void *buf, void *stream) {
+    static const char *const names[] = {"Q", "KV", "O", "DKV"};
+    char what[32];
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "uly_cuda_layout: plan is NULL or not initialized");
+    ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "uly_cuda_layout: x (%d) is not a "
+               "uly_xchg", (int)x);
+    snprintf(what, sizeof what, "%s %s: %s", unpack ? "unpack" : "pack", names[x],
+             unpack ? "dst" : "src");
+    uly_tensor want = uly__to_head(x) != unpack ? uly__seq_layout(p, x, NULL)
+                                                : uly__head_layout(p, x, NULL);
+    ULY__TRY(uly__check_like(what, t, want));
+    ULY__CHECK((uintptr_t)t.data % p->elem_size == 0, ULY_EINVAL,
+               "%s: data (%p) is not aligned to its element size (%lld bytes)", what, t.data,
+               ULY__LL(p->elem_size));
+    ULY__CHECK(buf && (uintptr_t)buf % p->elem_size == 0, ULY_EINVAL,
+               "%s %s: %s (%p) is NULL or not aligned to the element size (%lld bytes)",
+               unpack ? "unpack" : "pack", names[x], unpack ? "recv" : "send", buf,
+               ULY__LL(p->elem_size));
+    const uly__boxes b = uly__boxes_of(p, x, unpack, t, buf);
+    return uly__by_dtype(t.dtype, [&](auto tag) {
+        return uly__launch_boxes<decltype(tag)>(b, (cudaStream_t)stream);
+    });
+}
+
+static uly_status uly__cuda_pack(void *ctx, const uly_plan *p, uly_xchg x, uly_tensor src,
+                                 void *send, void *stream) {
+    (void)ctx;
+    return uly__cuda_xfer(p, x, 0, src, send, stream);
+}
+
+static uly_status uly__cuda_unpack(void *ctx, const uly_plan *p, uly_xchg x, const void *recv,
+                                   uly_tensor dst, void *stream) {
+    (void)ctx;
+    return uly__cuda_xfer(p, x, 1, dst, (void *)recv, stream);
+}
+
+ULYDEF uly_layout uly_cuda_layout(void) {
+    uly_layout l;
+    l.pack = uly__cuda_pack;
+    l.unpack = uly__cuda_unpack;
+    l.ctx = NULL;
+    return l;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Device-local communicator
+
+   Virtual rank r is thread r of uly_local_run. The host communicator of those threads carries
+   the bookkeeping (where each block is, and the events that say when it is ready) and the GPU
+   moves the bytes. alltoallv: record "ready" on my stream; trade block addresses with every
+   peer over the host comm; make my stream wait for each sender's ready event and copy its block
+   into my receive buffer; record "done"; meet; and make my stream wait for every peer's done
+   event, so work queued after the call cannot overwrite my send buffer while a peer reads it. */
+
+typedef struct uly__dl_rank {
+    const uly_comm *host;
+    cudaEvent_t ready, done; /* mine */
+    cudaEvent_t peer_ready[ULY_MAX_SP], peer_done[ULY_MAX_SP];
+} uly__dl_rank;
+
+typedef struct uly__dl_block { /* what a sender tells receiver j */
+    const char *src;
+    int64_t bytes;
+} uly__dl_block;
+
+/* Every rank sends the same `size` bytes from out[j] to each peer j; in[i] is what i sent. */
+static uly_status uly__dl_trade(const uly_comm *host, const void *out, void *in, int64_t size) {
+    int64_t count[ULY_MAX_SP], off[ULY_MAX_SP];
+    for (int j = 0; j < host->size; j++) count[j] = size, off[j] = j * size;
+    return host->alltoallv(host->ctx, out, count, off, in, count, off, NULL);
+}
+
+static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *send_counts,
+                                    const int64_t *send_offs, void *recv,
+                                    const int64_t *recv_counts, const int64_t *recv_offs,
+                                    void *stream) {
+    uly__dl_rank *me = (uly__dl_rank *)ctx;
+    const int P = me->host->size;
+    cudaStream_t s = (cudaStream_t)stream;
+    uly__dl_block out[ULY_MAX_SP], in[ULY_MAX_SP];
+    uly_status st =
+        uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs);
+    for (int j = 0; j < P; j++) {
+        out[j].src = st.code ? NULL : (const char *)send + send_offs[j];
+        out[j].bytes = st.code ? -1 : send_counts[j];
+    }
+    cudaError_t e = cudaEventRecord(me->ready, s);
+    ULY__TRY(uly__dl_trade(me->host, out, in, sizeof *out));
+    for (int i = 0; i < P && !st.code; i++) {
+        if (in[i].bytes != recv_counts[i])
+            st = uly__err(ULY_ECOMM, "alltoallv: rank %d sends %lld bytes to rank %d, which "
+                          "expects %lld", i, ULY__LL(in[i].bytes), me->host->rank,
+                          ULY__LL(recv_counts[i]));
+        else if (in[i].bytes && !e && !(e = cudaStreamWaitEvent(s, me->peer_ready[i], 0)))
+            e = cudaMemcpyAsync((char *)recv + recv_offs[i], in[i].src, (size_t)in[i].bytes,
+                                cudaMemcpyDeviceToDevice, s);
+    }
+    if (!e) e = cudaEventRecord(me->done, s);
+    uly_status met = me->host->barrier(me->host->ctx);
+    for (int i = 0; i < P && !e; i++) e = cudaStreamWaitEvent(s, me->peer_done[i], 0);
+    ULY__TRY(st);
+    ULY__TRY(met);
+    return uly__cuda(e, "device-local alltoallv");
+}
+
+/* Through the host, a few values at a time: sums are the host comm's, in rank order. */
+static uly_status uly__dl_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
+    uly__dl_rank *me = (uly__dl_rank *)ctx;
+    cudaStream_t s = (cudaStream_t)stream;
+    double tmp[64];
+    ULY__CHECK(n >= 0 && (buf || !n), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 and buf "
+               "not NULL", ULY__LL(n));
+    for (int64_t at = 0; at < n; at += 64) {
+        const size_t bytes = (size_t)uly__min(64, n - at) * sizeof(double);
+        cudaError_t e = cudaMemcpyAsync(tmp, buf + at, bytes, cudaMemcpyDefault, s);
+        if (!e) e = cudaStreamSynchronize(s);
+        ULY__TRY(uly__cuda(e, "device-local allreduce_sum"));
+        ULY__TRY(me->host->allreduce_sum(me->host->ctx, tmp, uly__min(64, n - at), NULL));
+        e = cudaMemcpyAsync(buf + at, tmp, bytes, cudaMemcpyDefault, s);
+        if (!e) e = cudaStreamSynchronize(s);
+        ULY__TRY(uly__cuda(e, "device-local allreduce_sum"));
+    }
+    return uly__ok();
+}
+
+static uly_status uly__dl_barrier(void *ctx) {
+    const uly_comm *host = ((uly__dl_rank *)ctx)->host;
+    return host->barrier(host->ctx);
+}
+
+typedef struct uly__dl_world {
+    void (*fn)(const uly_comm *comm, void *user);
+    void *user;
+    int device;
+    uly_status st[ULY_MAX_SP]; /* of each rank's setup */
+} uly__dl_world;
+
+/* This thread's GPU and events, and every peer's events. */
+static uly_status uly__dl_setup(uly__dl_rank *me, int device) {
+    cudaEvent_t mine[2 * ULY_MAX_SP], peers[2 * ULY_MAX_SP];
+    const int P = me->host->size;
+    cudaError_t e = cudaSetDevice(device);
+    if (!e) e = cudaEventCreateWithFlags(&me->ready, cudaEventDisableTiming);
+    if (!e) e = cudaEventCreateWithFlags(&me->done, cudaEventDisableTiming);
+    ULY__TRY(uly__cuda(e, "device-local comm setup"));
+    for (int j = 0; j < P; j++) mine[2 * j] = me->ready, mine[2 * j + 1] = me->done;
+    ULY__TRY(uly__dl_trade(me->host, mine, peers, 2 * sizeof *mine));
+    for (int i = 0; i < P; i++)
+        me->peer_ready[i] = peers[2 * i], me->peer_done[i] = peers[2 * i + 1];
+    return uly__ok();
+}
+
+static void uly__dl_main(const uly_comm *host, void *user) {
+    uly__dl_world *w = (uly__dl_world *)user;
+    uly__dl_rank me;
+    memset(&me, 0, sizeof me);
+    me.host = host;
+    w->st[host->rank] = uly__dl_setup(&me, w->device);
+    if (!w->st[host->rank].code) {
+        uly_comm c;
+        memset(&c, 0, sizeof c);
+        c.size = host->size, c.rank = host->rank;
+        c.alltoallv = uly__dl_alltoallv;
+        c.allreduce_sum = uly__dl_allreduce;
+        c.barrier = uly__dl_barrier;
+        c.ctx = &me;
+        c.device = 1;
+        w->fn(&c, w->user);
+    }
+    /* Peers may still wait on my events: destroying them is safe, CUDA keeps the work. */
+    if (me.ready) cudaEventDestroy(me.ready);
+    if (me.done) cudaEventDestroy(me.done);
+}
+
+ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
+                                     void *user) {
+    uly__dl_world w;
+    memset(&w, 0, sizeof w);
+    w.fn = fn, w.user = user;
+    ULY__CHECK(fn, ULY_EINVAL, "fn is NULL");
+    ULY__TRY(uly__cuda(cudaGetDevice(&w.device), "uly_cuda_local_run: cudaGetDevice"));
+    uly_status st = uly_local_run(size, uly__dl_main, &w);
+    for (int r = 0; r < size && !st.code; r++) st = w.st[r];
+    return st;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Reference attention: the contract's formulas, one thread per row, fp32 */
+
+enum { ULY__REF_MAX_D = 256, ULY__REF_THREADS = 64 };
+
+struct uly__ref_params {
+    uly_tensor q, k, v, o, dout, dq, dk, dv;
+    float *lse, *dsum; /* [B, H, Sq] */
+    float scale;
+    int causal;
+    int64_t q_head0, group;
+};
+
+template <typename T>
+__device__ __forceinline__ T *uly__ref_row(const uly_tensor &t, int64_t b, int64_t s, int64_t h) {
+    return (T *)t.data + b * t.sb + s * t.ss + h * t.sh;
+}
+
+template <typename T> __device__ float uly__ref_dot(const T *a, const T *b, int64_t d) {
+    float s = 0.f;
+    for (int64_t i = 0; i < d; i++) s += uly__widen(a[i]) * uly__widen(b[i]);
+    return s;
+}
+
+/* Query row i keeps keys [0, kept): the causal mask is bottom-right aligned. */
+__device__ __forceinline__ int64_t uly__ref_kept(const uly__ref_params &p, int64_t i) {
+    return p.causal ? min(p.k.s, max((int64_t)0, i + p.k.s - p.q.s + 1)) : p.k.s;
+}
+
+__device__ __forceinline__ int64_t uly__ref_kv_head(const uly__ref_params &p, int64_t h) {
+    return (p.q_head0 + h) / p.group - p.q_head0 / p.group;
+}
+
+/* Grid (query rows, H, B). lse and o of a row that keeps no key: +inf and 0. */
+template <typename T>
+__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_fwd(const uly__ref_params p) {
+    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    if (i >= p.q.s) return;
+    const int64_t hk = uly__ref_kv_head(p, h), n = uly__ref_kept(p, i), D = p.q.d;
+    const T *q = uly__ref_row<T>(p.q, b, i, h);
+    float m = -INFINITY, l = 0.f, acc[ULY__REF_MAX_D];
+    for (int64_t j = 0; j < n; j++)
+        m = fmaxf(m, p.scale * uly__ref_dot(q, uly__ref_row<T>(p.k, b, j, hk), D));
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+        const float e = expf(p.scale * uly__ref_dot(q, uly__ref_row<T>(p.k, b, j, hk), D) - m);
+        const T *v = uly__ref_row<T>(p.v, b, j, hk);
+        l += e;
+        for (int64_t d = 0; d < D; d++) acc[d] += e * uly__widen(v[d]);
+    }
+    T *o = uly__ref_row<T>(p.o, b, i, h);
+    for (int64_t d = 0; d < D; d++) o[d] = uly__round<T>(n ? acc[d] / l : 0.f);
+    p.lse[(b * p.q.h + h) * p.q.s + i] = n ? m + logf(l) : INFINITY;
+}
+
+/* Grid (query rows, H, B): Dsum = rowsum(dout * o), and dq = scale * sum_j dS_ij k_j with
+   P_ij = exp(s_ij - lse_i), dS_ij = P_ij (dout_i . v_j - Dsum_i). */
+template <typename T>
+__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_q(const uly__ref_params p) {
+    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    if (i >= p.q.s) return;
+    const int64_t hk = uly__ref_kv_head(p, h), n = uly__ref_kept(p, i), D = p.q.d;
+    const int64_t row = (b * p.q.h + h) * p.q.s + i;
+    const T *q = uly__ref_row<T>(p.q, b, i, h), *dout = uly__ref_row<T>(p.dout, b, i, h);
+    const float dsum = uly__ref_dot(dout, uly__ref_row<T>(p.o, b, i, h), D), lse = p.lse[row];
+    float acc[ULY__REF_MAX_D];
+    p.dsum[row] = dsum;
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+        const T *k = uly__ref_row<T>(p.k, b, j, hk), *v = uly__ref_row<T>(p.v, b, j, hk);
+        const float pr = expf(p.scale * uly__ref_dot(q, k, D) - lse);
+        const float ds = pr * (uly__ref_dot(dout, v, D) - dsum);
+        for (int64_t d = 0; d < D; d++) acc[d] += ds * uly__widen(k[d]);
+    }
+    T *dq = uly__ref_row<T>(p.dq, b, i, h);
+    for (int64_t d = 0; d < D; d++) dq[d] = uly__round<T>(p.scale * acc[d]);
+}
+
+/* Grid (key rows, Hkv, B), after uly__ref_bwd_q wrote Dsum: dv = sum P_ij dout_i and
+   dk = scale * sum dS_ij q_i over the query rows that keep key j, of every query head of the
+   kv head's group. */
+template <typename T>
+__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_kv(const uly__ref_params p) {
+    const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t hk = blockIdx.y, b = blockIdx.z;
+    if (j >= p.k.s) return;
+    const int64_t D = p.q.d, g0 = p.q_head0 / p.group;
+    const int64_t h_begin = max((int64_t)0, (hk + g0) * p.group - p.q_head0);
+    const int64_t h_end = min(p.q.h, (hk + g0 + 1) * p.group - p.q_head0);
+    const int64_t i_begin = p.causal ? max((int64_t)0, j - p.k.s + p.q.s) : 0;
+    const T *k = uly__ref_row<T>(p.k, b, j, hk), *v = uly__ref_row<T>(p.v, b, j, hk);
+    float dk[ULY__REF_MAX_D], dv[ULY__REF_MAX_D];
+    for (int64_t d = 0; d < D; d++) dk[d] = dv[d] = 0.f;
+    for (int64_t h = h_begin; h < h_end; h++)
+        for (int64_t i = i_begin; i < p.q.s; i++) {
+            const int64_t row = (b * p.q.h + h) * p.q.s + i;
+            const T *q = uly__ref_row<T>(p.q, b, i, h), *dout = uly__ref_row<T>(p.dout, b, i, h);
+            const float pr = expf(p.scale * uly__ref_dot(q, k, D) - p.lse[row]);
+            const float ds = pr * (uly__ref_dot(dout, v, D) - p.dsum[row]);
+            for (int64_t d = 0; d < D; d++) {
+                dv[d] += pr * uly__widen(dout[d]);
+                dk[d] += ds * uly__widen(q[d]);
+            }
+        }
+    T *dk_out = uly__ref_row<T>(p.dk, b, j, hk), *dv_out = uly__ref_row<T>(p.dv, b, j, hk);
+    for (int64_t d = 0; d < D; d++) {
+        dk_out[d] = uly__round<T>(p.scale * dk[d]);
+        dv_out[d] = uly__round<T>(dv[d]);
+    }
+}
+
+static int64_t uly__ref_workspace(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    return a->q.b * a->q.h * a->q.s * (int64_t)sizeof(float);
+}
+
+/* The contract's checks, then the parameters every kernel reads. */
+static uly_status uly__ref_params_of(const uly_attn_args *a, int backward, uly__ref_params *p) {
+    ULY__TRY(uly_attn_check(a, backward));
+    ULY__CHECK(a->q.d <= ULY__REF_MAX_D, ULY_EUNSUPPORTED, "reference attention: q.d (%lld) > "
+               "%d", ULY__LL(a->q.d), ULY__REF_MAX_D);
+    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED, "reference attention: q.b "
+               "(%lld) and q.h (%lld) must be <= 65535 (grid dims)", ULY__LL(a->q.b),
+               ULY__LL(a->q.h));
+    ULY__CHECK(!backward || a->workspace, ULY_EINVAL, "reference attention: workspace is NULL");
+    p->q = a->q, p->k = a->k, p->v = a->v, p->o = a->o;
+    p->dout = a->dout, p->dq = a->dq, p->dk = a->dk, p->dv = a->dv;
+    p->lse = a->lse;
+    p->dsum = (float *)a->workspace;
+    p->scale = a->softmax_scale ? a->softmax_scale : 1.0f / sqrtf((float)a->q.d);
+    p->causal = a->causal;
+    p->q_head0 = a->q_head0;
+    p->group = a->kv_group ? a->kv_group : a->q.h / a->k.h;
+    return uly__ok();
+}
+
+static dim3 uly__ref_grid(int64_t rows, int64_t heads, int64_t batch) {
+    return dim3((unsigned)((rows + ULY__REF_THREADS - 1) / ULY__REF_THREADS), (unsigned)heads,
+                (unsigned)batch);
+}
+
+static uly_status uly__ref_fwd_call(void *ctx, const uly_attn_args *a) {
+    uly__ref_params p;
+    (void)ctx;
+    ULY__TRY(uly__ref_params_of(a, 0, &p));
+    return uly__by_dtype(a->q.dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        ULY_LAUNCH(uly__ref_fwd<T>, uly__ref_grid(p.q.s, p.q.h, p.q.b), dim3(ULY__REF_THREADS),
+                   0, (cudaStream_t)a->stream, p);
+        return uly__cuda(cudaGetLastError(), "reference attention forward");
+    });
+}
+
+static uly_status uly__ref_bwd_call(void *ctx, const uly_attn_args *a) {
+    uly__ref_params p;
+    (void)ctx;
+    ULY__TRY(uly__ref_params_of(a, 1, &p));
+    return uly__by_dtype(a->q.dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        cudaStream_t s = (cudaStream_t)a->stream;
+        ULY_LAUNCH(uly__ref_bwd_q<T>, uly__ref_grid(p.q.s, p.q.h, p.q.b), dim3(ULY__REF_THREADS),
+                   0, s, p);
+        ULY_LAUNCH(uly__ref_bwd_kv<T>, uly__ref_grid(p.k.s, p.k.h, p.q.b), dim3(ULY__REF_THREADS),
+                   0, s, p);
+        return uly__cuda(cudaGetLastError(), "reference attention backward");
+    });
+}
+
+ULYDEF uly_attn uly_cuda_reference_attention(void) {
+    uly_attn a;
+    a.fwd = uly__ref_fwd_call;
+    a.bwd = uly__ref_bwd_call;
+    a.workspace = uly__ref_workspace;
+    a.ctx = NULL;
+    return a;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   NCCL communicator */
+
+#ifdef ULYSSES_NCCL
+#include <time.h>
+
+static uly_status uly__nccl(ncclResult_t r, ncclComm_t comm, const char *what) {
+    const char *last = comm ? ncclGetLastError(comm) : "";
+    ULY__CHECK(r == ncclSuccess, ULY_ECOMM, "%s: %s%s%s", what, ncclGetErrorString(r),
+               last && last[0] ? ": " : "", last ? last : "");
+    return uly__ok();
+}
+
+/* A failed or in-flight-broken communicator says so here, not in a hang at the next call. */
+static uly_status uly__nccl_async(ncclComm_t comm, const char *what) {
+    ncclResult_t async = ncclSuccess;
+    ULY__TRY(uly__nccl(ncclCommGetAsyncError(comm, &async), comm, what));
+    return async == ncclInProgress ? uly__ok() : uly__nccl(async, comm, what);
+}
+
+/* Every peer gets the same count from the same place in the send and receive buffers: the
+   shape ncclAlltoAll moves. */
+static int uly__uniform(int P, const int64_t *sc, const int64_t *so, const int64_t *rc,
+                        const int64_t *ro) {
+    for (int j = 0; j < P; j++)
+        if (sc[j] != sc[0] || rc[j] != sc[0] || so[j] != j * sc[0] || ro[j] != j * sc[0])
+            return 0;
+    return 1;
+}
+
+static uly_status uly__nccl_alltoallv(void *ctx, const void *send, const int64_t *send_counts,
+                                      const int64_t *send_offs, void *recv,
+                                      const int64_t *recv_counts, const int64_t *recv_offs,
+                                      void *stream) {
+    uly_nccl *n = (uly_nccl *)ctx;
+    cudaStream_t s = (cudaStream_t)stream;
+    int P = 0;
+    ULY__TRY(uly__nccl(ncclCommCount(n->comm, &P), n->comm, "alltoallv: ncclCommCount"));
+    ULY__TRY(uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs));
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    if (uly__uniform(P, send_counts, send_offs, recv_counts, recv_offs)) {
+        ULY__TRY(uly__nccl(ncclAlltoAll(send, recv, (size_t)send_counts[0], ncclUint8, n->comm, s),
+                           n->comm, "alltoallv: ncclAlltoAll"));
+        return uly__nccl_async(n->comm, "alltoallv");
+    }
+#endif
+    ULY__TRY(uly__nccl(ncclGroupStart(), n->comm, "alltoallv: ncclGroupStart"));
+    ncclResult_t r = ncclSuccess;
+    for (int j = 0; j < P && r == ncclSuccess; j++) {
+        if (send_counts[j])
+            r = ncclSend((const char *)send + send_offs[j], (size_t)send_counts[j], ncclUint8, j,
+                         n->comm, s);
+        if (recv_counts[j] && r == ncclSuccess)
+            r = ncclRecv((char *)recv + recv_offs[j], (size_t)recv_counts[j], ncclUint8, j,
+                         n->comm, s);
+    }
+    const ncclResult_t end = ncclGroupEnd(); /* always closes the group */
+    ULY__TRY(uly__nccl(r, n->comm, "alltoallv: ncclSend/ncclRecv"));
+    ULY__TRY(uly__nccl(end, n->comm, "alltoallv: ncclGroupEnd"));
+    return uly__nccl_async(n->comm, "alltoallv");
+}
+
+static int uly__on_device(const void *p) {
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError(); /* not an error worth keeping: p is plain host memory */
+        return 0;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStream_t s) {
+    ULY__TRY(uly__nccl(ncclAllReduce(dev, dev, (size_t)count, ncclFloat64, ncclSum, n->comm, s),
+                       n->comm, "allreduce_sum: ncclAllReduce"));
+    return uly__nccl_async(n->comm, "allreduce_sum");
+}
+
+/* Host memory: through scratch, a chunk at a time, waiting for each. */
+static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, void *stream) {
+    uly_nccl *n = (uly_nccl *)ctx;
+    cudaStream_t s = (cudaStream_t)stream;
+    ULY__CHECK(count >= 0 && (buf || !count), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 "
+               "and buf not NULL", ULY__LL(count));
+    if (!count || uly__on_device(buf)) return uly__nccl_sum(n, buf, count, s);
+    ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "allreduce_sum of host memory: uly_nccl.scratch is "
+               "NULL (it needs %d doubles of device memory)", (int)ULY_NCCL_SCRATCH);
+    for (int64_t at = 0; at < count; at += ULY_NCCL_SCRATCH) {
+        const int64_t m = uly__min(ULY_NCCL_SCRATCH, count - at);
+        ULY__TRY(uly__cuda(cudaMemcpyAsync(n->scratch, buf + at, (size_t)m * sizeof(double),
+                                           cudaMemcpyHostToDevice, s), "allreduce_sum"));
+        ULY__TRY(uly__nccl_sum(n, n->scratch, m, s));
+        ULY__TRY(uly__cuda(cudaMemcpyAsync(buf + at, n->scratch, (size_t)m * sizeof(double),
+                                           cudaMemcpyDeviceToHost, s), "allreduce_sum"));
+        ULY__TRY(uly_nccl_wait(n->comm, stream, 0));
+    }
+    return uly__ok();
+}
+
+/* A one-value allreduce on the default stream, waited for. */
+static uly_status uly__nccl_barrier(void *ctx) {
+    uly_nccl *n = (uly_nccl *)ctx;
+    ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "barrier: uly_nccl.scratch is NULL (it needs %d "
+               "doubles of device memory)", (int)ULY_NCCL_SCRATCH);
+    ULY__TRY(uly__nccl_sum(n, n->scratch, 1, 0));
+    return uly_nccl_wait(n->comm, 0, 0);
+}
+
+ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
+    ULY__CHECK(n && n->comm && out, ULY_EINVAL, "uly_nccl_comm: %s is NULL",
+               !n ? "n" : !out ? "out" : "n->comm");
+    memset(out, 0, sizeof *out);
+    ULY__TRY(uly__nccl(ncclCommCount(n->comm, &out->size), n->comm, "ncclCommCount"));
+    ULY__TRY(uly__nccl(ncclCommUserRank(n->comm, &out->rank), n->comm, "ncclCommUserRank"));
+    out->alltoallv = uly__nccl_alltoallv;
+    out->allreduce_sum = uly__nccl_allreduce;
+    out->barrier = uly__nccl_barrier;
+    out->ctx = n;
+    out->device = 1;
+    return uly__ok();
+}
+
+ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, ncclComm_t *dp) {
+    int size = 0, rank = 0;
+    ULY__CHECK(world && sp && dp, ULY_EINVAL, "uly_nccl_split: %s is NULL",
+               !world ? "world" : !sp ? "sp" : "dp");
+    ULY__TRY(uly__nccl(ncclCommCount(world, &size), world, "uly_nccl_split: ncclCommCount"));
+    ULY__TRY(uly__nccl(ncclCommUserRank(world, &rank), world, "uly_nccl_split: ncclCommUserRank"));
+    ULY__CHECK(sp_size >= 1 && size % sp_size == 0, ULY_EINVAL, "uly_nccl_split: sp_size (%d) must "
+               "divide the world's size (%d)", sp_size, size);
+    ULY__TRY(uly__nccl(ncclCommSplit(world, rank / sp_size, rank % sp_size, sp, NULL), world,
+                       "uly_nccl_split: ncclCommSplit (SP)"));
+    return uly__nccl(ncclCommSplit(world, rank % sp_size, rank / sp_size, dp, NULL), world,
+                     "uly_nccl_split: ncclCommSplit (DP)");
+}
+
+ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s) {
+    struct timespec t0, now, nap = {0, 100000};
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        const cudaError_t q = cudaStreamQuery((cudaStream_t)stream);
+        if (q == cudaSuccess) return uly__ok();
+        if (q != cudaErrorNotReady) return uly__cuda(q, "uly_nccl_wait: cudaStreamQuery");
+        uly_status st = uly__nccl_async(comm, "uly_nccl_wait");
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        const double waited =
+            (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
+        if (!st.code && timeout_s > 0 && waited > timeout_s)
+            st = uly__err(ULY_ECOMM, "uly_nccl_wait: the stream is not done after %.1f s (a peer "
+                          "may be gone); the communicator was aborted", waited);
+        if (st.code) {
+            ncclCommAbort(comm);
+            return st;
+        }
+        nanosleep(&nap, NULL);
+    }
+}
+
+#endif /* ULYSSES_NCCL */
+
+#include <stdarg.h>
+#include <stdio.h>
+
+/* Tile sizes per head dim, in one place. fwd: a block owns BM query rows (16*MT per warp) and
+   streams BN keys. bwd: a block owns BN keys (16*MT per warp) and streams BM query rows, BS of
+   them at a time through registers (D = 128 needs the room for dK and dV). dq (the deterministic
+   dQ kernel): a block owns BM query rows and streams BN keys. */
+template <int D> struct uly__fa_traits;
+template <> struct uly__fa_traits<64> {
+    struct fwd { enum { BM = 128, BN = 64, WARPS = 4 }; };
+    struct bwd { enum { BM = 64, BN = 128, BS = 64, WARPS = 8 }; };
+    struct dq { enum { BM = 64, BN = 128, WARPS = 4 }; };
+};
+template <> struct uly__fa_traits<128> {
+    struct fwd { enum { BM = 128, BN = 64, WARPS = 4 }; };
+    struct bwd { enum { BM = 64, BN = 128, BS = 32, WARPS = 8 }; };
+    struct dq { enum { BM = 64, BN = 64, WARPS = 4 }; };
+};
+
+/* Dynamic shared memory of each kernel, in bytes (the layouts are in the kernels). */
+template <int D> constexpr size_t uly__fa_fwd_smem() {
+    using F = typename uly__fa_traits<D>::fwd;
+    return (size_t)(F::BM + 2 * F::BN) * D * 2;
+}
+template <int D> constexpr size_t uly__fa_bwd_kv_smem(bool dq_atomic) {
+    using B = typename uly__fa_traits<D>::bwd;
+    return (size_t)(2 * B::BN * D + 4 * B::BM * D + (dq_atomic ? B::BN * B::BM : 0)) * 2 +
+           4 * B::BM * sizeof(float);
+}
+template <int D> constexpr size_t uly__fa_bwd_q_smem() {
+    using Q = typename uly__fa_traits<D>::dq;
+    return (size_t)(2 * Q::BM + 4 * Q::BN) * D * 2;
+}
+
+/* Everything a kernel needs, by value in its parameters. Tensors are uly_tensor views; for
+   varlen, b is 0 and rows are offset by cu_seqlens. lse, Dsum and the dQ accumulator of query
+   row i of head h in batch b sit at b * lse_sb + h * lse_sh + i (times D for dQ). */
+struct uly__fa_params {
+    uly_tensor q, k, v, o, dout, dq, dk, dv;
+    float *lse;
+    float *dsum, *dq_acc;         /* backward workspace */
+    int64_t lse_sb, lse_sh;
+    const int32_t *cu_q, *cu_k;   /* varlen, or NULL */
+    int sq, sk;                   /* dense lengths */
+    int64_t q_head0, kv_group;
+    float scale, scale_log2;      /* softmax_scale and softmax_scale * log2(e) */
+    int causal;
+};
+
+/* One sequence of the batch: tensor batch index, first query and key row, lengths. */
+struct uly__fa_seq {
+    int64_t b, q0, k0;
+    int sq, sk;
+};
+
+__device__ __forceinline__ uly__fa_seq uly__fa_seq_of(const uly__fa_params &p, int b) {
+    if (!p.cu_q) return {b, 0, 0, p.sq, p.sk};
+    const int q0 = p.cu_q[b], k0 = p.cu_k[b];
+    return {0, q0, k0, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0};
+}
+
+template <typename T>
+__device__ __forceinline__ T *uly__fa_row(const uly_tensor &t, int64_t b, int64_t s, int64_t h) {
+    return (T *)t.data + b * t.sb + s * t.ss + h * t.sh;
+}
+
+__device__ __forceinline__ int64_t uly__fa_lse_index(const uly__fa_params &p, const uly__fa_seq &s,
+                                                     int64_t h, int row) {
+    return s.b * p.lse_sb + h * p.lse_sh + s.q0 + row;
+}
+
+/* The local kv head of local query head h: (q_head0 + h) / g - q_head0 / g. */
+__device__ __forceinline__ int64_t uly__fa_kv_head(const uly__fa_params &p, int64_t h) {
+    return (p.q_head0 + h) / p.kv_group - p.q_head0 / p.kv_group;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Tile primitives. A shared tile holds R rows of W 16-bit elements, row-major, with its 16-byte
+   chunks XOR-swizzled by row (chunk c of row r is stored at c ^ (r % 8)): the 8 row addresses of
+   one ldmatrix matrix, and the chunks one cp.async round writes, fall in distinct banks. */
+
+template <int W> __device__ __forceinline__ uint32_t uly__swz(int r, int c) {
+    static_assert(W % 64 == 0, "tile rows are whole 128-byte lines");
+    return (uint32_t)(r * W * 2 + ((c ^ (r & 7)) << 4));
+}
+
+/* The chunks a thread moves between a tile and global memory: rounds of NT threads cover
+   NT / CH whole rows (a multiple of 8, so the swizzle of a thread's chunk is the same in every
+   round), and a thread keeps one chunk column. */
+template <int R, int W, int NT> struct uly__tile_split {
+    enum { CH = W / 8, ROWS = NT / CH, ROUNDS = R / ROWS };
+    static_assert(NT % CH == 0 && ROWS % 8 == 0 && R % ROWS == 0, "whole swizzle periods");
+};
+
+/* cp.async rows g, g + stride, ... into the tile at s; rows at or past `valid` (>= 1) read
+   nothing and are zero-filled. The block's NT threads share the work. */
+template <int R, int W, int NT, typename T>
+__device__ __forceinline__ void uly__tile_load(uint32_t s, const T *g, int64_t stride, int valid) {
+    using S = uly__tile_split<R, W, NT>;
+    const int r = (int)threadIdx.x / S::CH, c = (int)threadIdx.x % S::CH;
+    const T *src = g + r * stride + c * 8;
+    s += uly__swz<W>(r, c);
+#pragma unroll
+    for (int i = 0; i < S::ROUNDS; i++, src += S::ROWS * stride) {
+        const bool ok = r + i * S::ROWS < valid;
+        uly_cp_async<16>(s + i * S::ROWS * W * 2, ok ? src : g, ok ? 16 : 0);
+    }
+}
+
+/* The tile at s to global rows g, g + stride, ..., the first `valid` of them. */
+template <int R, int W, int NT, typename T>
+__device__ __forceinline__ void uly__tile_store(T *g, int64_t stride, int valid,
+                                                const unsigned char *s) {
+    using S = uly__tile_split<R, W, NT>;
+    const int r = (int)threadIdx.x / S::CH, c = (int)threadIdx.x % S::CH;
+    T *dst = g + r * stride + c * 8;
+    s += uly__swz<W>(r, c);
+#pragma unroll
+    for (int i = 0; i < S::ROUNDS; i++, dst += S::ROWS * stride)
+        if (r + i * S::ROWS < valid) *(uint4 *)dst = *(const uint4 *)(s + i * S::ROWS * W * 2);
+}
+
+template <typename T> __device__ __forceinline__ uint32_t uly__pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t uly__pack2<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+template <> __device__ __forceinline__ uint32_t uly__pack2<__half>(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+/* The mma.sync m16n8k16 fragments of a warp (lane = 4 * g + t): C element i of an m16n8 tile is
+   row g + 8 * (i / 2), column 2 * t + i % 2. acc[MT][NT][4] is a warp's 16*MT x 8*NT block. */
+__device__ __forceinline__ int uly__frag_row(int i) { return (int)(uly_lane_id() >> 2) + 8 * (i >> 1); }
+__device__ __forceinline__ int uly__frag_col(int i) { return 2 * (int)(uly_lane_id() & 3) + (i & 1); }
+
+/* Writes the warp's fragments as T to the W-wide tile at s, the block at rows r0, columns c0. */
+template <typename T, int W, int MT, int NT>
+__device__ __forceinline__ void uly__frag_store(unsigned char *s, int r0, int c0,
+                                                const float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i += 2) {
+                const int r = r0 + 16 * mt + uly__frag_row(i), c = c0 + 8 * nt + uly__frag_col(i);
+                *(uint32_t *)(s + uly__swz<W>(r, c >> 3) + (c & 7) * 2) =
+                    uly__pack2<T>(acc[mt][nt][i], acc[mt][nt][i + 1]);
+            }
+}
+
+/* ldmatrix.x4 of the 16 x 16 block at (r0, c0) of a W-wide tile. ROWS_FIRST orders the four
+   8 x 8 matrices (r0, c0), (r0 + 8, c0), (r0, c0 + 8), (r0 + 8, c0 + 8); else columns first. */
+template <int W, bool TRANS, bool ROWS_FIRST>
+__device__ __forceinline__ void uly__ldsm(uint32_t f[4], uint32_t s, int r0, int c0) {
+    const int l = (int)uly_lane_id();
+    const int r = ROWS_FIRST ? (l & 15) : (l & 7) + ((l >> 4) << 3);
+    const int c = ROWS_FIRST ? (l >> 4) : ((l >> 3) & 1);
+    uly_ldmatrix<4, TRANS>(f, s + uly__swz<W>(r0 + r, (c0 >> 3) + c));
+}
+
+/* The A fragment (rows m0.., k k0..k0+15) of a tile stored [m][k], or [k][m] if A_T. */
+template <int W, bool A_T>
+__device__ __forceinline__ void uly__frag_a(uint32_t f[4], uint32_t s, int m0, int k0) {
+    if (A_T) uly__ldsm<W, true, false>(f, s, k0, m0);
+    else uly__ldsm<W, false, true>(f, s, m0, k0);
+}
+
+/* The B fragments of n-tiles n0 (f[0..1]) and n0 + 8 (f[2..3]), k k0..k0+15, of a tile stored
+   [n][k], or [k][n] if B_T. */
+template <int W, bool B_T>
+__device__ __forceinline__ void uly__frag_b(uint32_t f[4], uint32_t s, int n0, int k0) {
+    if (B_T) uly__ldsm<W, true, true>(f, s, k0, n0);
+    else uly__ldsm<W, false, false>(f, s, n0, k0);
+}
+
+/* acc += A * B over k in [0, K): A's rows m0.. from the WA-wide tile sa, B's columns n0.. from
+   the WB-wide tile sb. */
+template <typename T, int MT, int NT, int K, int WA, bool A_T, int WB, bool B_T>
+__device__ __forceinline__ void uly__mma_ss(float (&acc)[MT][NT][4], uint32_t sa, int m0, uint32_t sb,
+                                            int n0) {
+    static_assert(NT % 2 == 0 && K % 16 == 0, "whole ldmatrix.x4 blocks");
+#pragma unroll
+    for (int k = 0; k < K; k += 16) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) uly__frag_a<WA, A_T>(a[mt], sa, m0 + 16 * mt, k);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+            uint32_t b[4];
+            uly__frag_b<WB, B_T>(b, sb, n0 + 8 * nt, k);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                uly_mma_m16n8k16<T>(acc[mt][nt], a[mt], b, acc[mt][nt]);
+                uly_mma_m16n8k16<T>(acc[mt][nt + 1], a[mt], b + 2, acc[mt][nt + 1]);
+            }
+        }
+    }
+}
+
+/* A warp's fp32 C fragments (16*MT x 8*NT) rounded to T as A fragments: the C fragments of
+   n-tiles 2j and 2j + 1 are exactly the A fragment of k-step j. */
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void uly__frag_to_a(uint32_t (&a)[MT][NT / 2][4],
+                                               const float (&c)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < NT / 2; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                a[mt][j][i] = uly__pack2<T>(c[mt][2 * j + i / 2][i % 2 * 2],
+                                            c[mt][2 * j + i / 2][i % 2 * 2 + 1]);
+}
+
+/* acc += A * B over K values of k, A in registers (from uly__frag_to_a), B's rows k0.. and
+   columns n0.. from a WB-wide tile stored [k][n]. */
+template <typename T, int MT, int NT, int K, int WB>
+__device__ __forceinline__ void uly__mma_rs(float (&acc)[MT][NT][4],
+                                            const uint32_t (&a)[MT][K / 16][4], uint32_t sb,
+                                            int n0, int k0) {
+    static_assert(NT % 2 == 0 && K % 16 == 0, "whole ldmatrix.x4 blocks");
+#pragma unroll
+    for (int j = 0; j < K / 16; j++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+            uint32_t b[4];
+            uly__frag_b<WB, true>(b, sb, n0 + 8 * nt, k0 + 16 * j);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                uly_mma_m16n8k16<T>(acc[mt][nt], a[mt][j], b, acc[mt][nt]);
+                uly_mma_m16n8k16<T>(acc[mt][nt + 1], a[mt][j], b + 2, acc[mt][nt + 1]);
+            }
+        }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void uly__frag_zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mt][nt][i] = 0.f;
+}
+
+/* Sets to -inf the elements whose (row, column) `masked` rejects; r0, c0 are the positions of
+   the warp's block. */
+template <int MT, int NT, typename Pred>
+__device__ __forceinline__ void uly__mask(float (&s)[MT][NT][4], int r0, int c0, Pred masked) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (masked(r0 + 16 * mt + uly__frag_row(i), c0 + 8 * nt + uly__frag_col(i)))
+                    s[mt][nt][i] = -INFINITY;
+}
+
+/* The four lanes of a quad hold one row's columns. */
+__device__ __forceinline__ float uly__quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float uly__quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+/* FlashAttention's online softmax over the 2*MT rows this thread holds (row h of m-tile mt is
+   C elements 2h, 2h + 1): running max m of the raw logits, running sum l of this lane's columns
+   (the quad's partial sums are added once, in finish). */
+template <int MT> struct uly__online_softmax {
+    float m[MT][2], l[MT][2];
+
+    __device__ __forceinline__ uly__online_softmax() {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) m[mt][h] = -INFINITY, l[mt][h] = 0.f;
+    }
+
+    /* s (a key block's logits, masked ones -inf) becomes P = exp(scale * (s - m)); o, the output
+       so far, is rescaled by exp(scale * (m_old - m_new)). */
+    template <int NS, int NO>
+    __device__ __forceinline__ void update(float (&s)[MT][NS][4], float (&o)[MT][NO][4], float scale_log2) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float mx = m[mt][h];
+#pragma unroll
+                for (int nt = 0; nt < NS; nt++)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                mx = uly__quad_max(mx);
+                /* A row with no key so far keeps m = -inf: subtract 0 so exp2 gives 0, not NaN. */
+                const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
+                const float corr = exp2f(m[mt][h] * scale_log2 - base);
+                m[mt][h] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NS; nt++)
+#pragma unroll
+                    for (int i = 2 * h; i < 2 * h + 2; i++) {
+                        s[mt][nt][i] = exp2f(fmaf(s[mt][nt][i], scale_log2, -base));
+                        sum += s[mt][nt][i];
+                    }
+                l[mt][h] = l[mt][h] * corr + sum;
+#pragma unroll
+                for (int nt = 0; nt < NO; nt++) o[mt][nt][2 * h] *= corr, o[mt][nt][2 * h + 1] *= corr;
+            }
+    }
+
+    /* o /= l; lse = scale * m + log(l), or o = 0 and lse = +inf for a row with no key. */
+    template <int NO>
+    __device__ __forceinline__ void finish(float (&o)[MT][NO][4], float scale, float (&lse)[MT][2]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float l_row = uly__quad_sum(l[mt][h]);
+                const float inv = l_row > 0.f ? 1.f / l_row : 0.f;
+                lse[mt][h] = l_row > 0.f ? m[mt][h] * scale + logf(l_row) : INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < NO; nt++) o[mt][nt][2 * h] *= inv, o[mt][nt][2 * h + 1] *= inv;
+            }
+    }
+};
+
+/* The softmax backward, in place: s (logits) becomes P = exp(scale * s - lse) and dp becomes
+   dS = P * (dP - Dsum). query(mt, nt, i) gives the (lse * log2(e), Dsum) of element i's query;
+   lse = +inf (a fully masked row, or a row past the end) gives P = 0 and dS = 0. */
+template <int MT, int NT, typename Query>
+__device__ __forceinline__ void uly__softmax_grad(float (&s)[MT][NT][4], float (&dp)[MT][NT][4],
+                                                  float scale_log2, Query query) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float2 q = query(mt, nt, i);
+                const float p = exp2f(fmaf(s[mt][nt][i], scale_log2, -q.x));
+                s[mt][nt][i] = p;
+                dp[mt][nt][i] = p * (dp[mt][nt][i] - q.y);
+            }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void uly__frag_scale(float (&acc)[MT][NT][4], float x) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mt][nt][i] *= x;
+}
+
+#define ULY__LOG2E 1.4426950408889634f
+
+/* ---------------------------------------------------------------------------------------------
+   Kernels */
+
+/* Forward. Grid (query blocks, H, B). */
+template <typename T, int D>
+__global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
+    uly__flash_fwd(const uly__fa_params p) {
+    using C = typename uly__fa_traits<D>::fwd;
+    constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int m0 = (int)blockIdx.x * BM;
+    if (m0 >= s.sq) return;
+    const int64_t h = blockIdx.y, hk = uly__fa_kv_head(p, h);
+    const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
+
+    ULY_DYN_SMEM(unsigned char, smem); /* Q [BM][D], K [BN][D], V [BN][D] */
+    const uint32_t sQ = uly_smem_addr(smem), sK = sQ + BM * D * 2, sV = sK + BN * D * 2;
+    const int wm = (int)(threadIdx.x / 32) * 16 * MT; /* this warp's first row */
+    const int diag = s.sk - s.sq;                      /* row i keeps keys j <= i + diag */
+    const int n_end = p.causal ? min(s.sk, m0 + BM + diag) : s.sk;
+    const int n_blocks = n_end > 0 ? (n_end + BN - 1) / BN : 0;
+
+    uly__tile_load<BM, D, NT>(sQ, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
+    if (n_blocks > 0) {
+        const int n0 = (n_blocks - 1) * BN;
+        uly__tile_load<BN, D, NT>(sK, k + n0 * p.k.ss, p.k.ss, s.sk - n0);
+    }
+    uly_cp_async_commit();
+
+    float o[MT][D / 8][4];
+    uly__frag_zero(o);
+    uly__online_softmax<MT> softmax;
+    for (int j = n_blocks - 1; j >= 0; j--) {
+        const int n0 = j * BN;
+        uly_cp_async_wait_all();
+        __syncthreads(); /* K[j] is in; every warp is done with V[j + 1] */
+        uly__tile_load<BN, D, NT>(sV, v + n0 * p.v.ss, p.v.ss, s.sk - n0);
+        uly_cp_async_commit();
+
+        float sc[MT][BN / 8][4];
+        uly__frag_zero(sc);
+        uly__mma_ss<T, MT, BN / 8, D, D, false, D, false>(sc, sQ, wm, sK, 0);
+        if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
+            uly__mask(sc, m0 + wm, n0,
+                      [&](int r, int c) { return c >= s.sk || (p.causal && c > r + diag); });
+        softmax.update(sc, o, p.scale_log2);
+
+        uly_cp_async_wait_all();
+        __syncthreads(); /* V[j] is in; every warp is done with K[j] */
+        if (j > 0) uly__tile_load<BN, D, NT>(sK, k + (n0 - BN) * p.k.ss, p.k.ss, s.sk - n0 + BN);
+        uly_cp_async_commit();
+        uint32_t pa[MT][BN / 16][4];
+        uly__frag_to_a<T>(pa, sc);
+        uly__mma_rs<T, MT, D / 8, BN, D>(o, pa, sV, 0, 0);
+    }
+
+    float lse[MT][2];
+    softmax.finish(o, p.scale, lse);
+    if ((uly_lane_id() & 3) == 0)
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int r = wm + 16 * mt + uly__frag_row(2 * hf);
+                if (m0 + r < s.sq) p.lse[uly__fa_lse_index(p, s, h, m0 + r)] = lse[mt][hf];
+            }
+    uly_cp_async_wait_all();
+    __syncthreads(); /* every warp is done with Q: stage O there */
+    uly__frag_store<T, D>(smem, wm, 0, o);
+    __syncthreads();
+    uly__tile_store<BM, D, NT>(uly__fa_row<T>(p.o, s.b, s.q0 + m0, h), p.o.ss, s.sq - m0, smem);
+}
+
+/* Backward pre-pass: Dsum = rowsum(dout * out) in fp32, one warp per query row, and the row's
+   dQ accumulator cleared (when there is one). Grid (query rows / 4, H, B), 128 threads. */
+template <typename T>
+__global__ void __launch_bounds__(128) uly__flash_bwd_pre(const uly__fa_params p) {
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int row = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
+    if (row >= s.sq) return;
+    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_lse_index(p, s, h, row);
+    const T *o = uly__fa_row<T>(p.o, s.b, s.q0 + row, h);
+    const T *dout = uly__fa_row<T>(p.dout, s.b, s.q0 + row, h);
+    float acc = 0.f;
+    for (int64_t c = lane; c < d; c += 32) acc += (float)o[c] * (float)dout[c];
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) p.dsum[i] = acc;
+    if (p.dq_acc)
+        for (int64_t c = lane; c < d; c += 32) p.dq_acc[i * d + c] = 0.f;
+}
+
+/* Backward post-pass: dq = scale * dQ accumulator, in T. Grid (query rows / 4, H, B). */
+template <typename T>
+__global__ void __launch_bounds__(128) uly__flash_bwd_post(const uly__fa_params p) {
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int row = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
+    if (row >= s.sq) return;
+    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_lse_index(p, s, h, row);
+    T *dq = uly__fa_row<T>(p.dq, s.b, s.q0 + row, h);
+    for (int64_t c = lane; c < d; c += 32) dq[c] = (T)(p.dq_acc[i * d + c] * p.scale);
+}
+
+/* Backward main kernel: a block owns BN keys of one kv head; grid (key blocks, Hkv, B). For each
+   query head of the kv head's group and each query block that sees these keys, with the keys as
+   the rows of every product (so dK and dV stay in registers):
+       S^T = K Q^T, dP^T = V dO^T, P^T and dS^T from lse and Dsum,
+       dV += P^T dO, dK += dS^T Q, and (DQ_ATOMIC) dQ += dS K into the fp32 accumulator. */
+template <typename T, int D, bool DQ_ATOMIC>
+__global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
+    uly__flash_bwd_kv(const uly__fa_params p) {
+    using C = typename uly__fa_traits<D>::bwd;
+    constexpr int BM = C::BM, BN = C::BN, BS = C::BS, NT = C::WARPS * 32;
+    constexpr int MT = BN / (16 * C::WARPS);
+    constexpr int QWM = BM / 16, QWN = C::WARPS / QWM, QN = D / QWN; /* dQ: warps over (m, d) */
+    static_assert(QWM * QWN == C::WARPS && QN % 32 == 0, "dQ: whole 16 x 32 blocks per warp");
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int n0 = (int)blockIdx.x * BN;
+    if (n0 >= s.sk) return;
+    const int64_t hk = blockIdx.y, g = p.kv_group, g0 = p.q_head0 / g;
+    const int64_t h_begin = max((int64_t)0, (hk + g0) * g - p.q_head0);
+    const int64_t h_end = min(p.q.h, (hk + g0 + 1) * g - p.q_head0);
+    const int diag = s.sk - s.sq;
+    const int m_begin = p.causal ? max(0, n0 - diag) / BM * BM : 0; /* first row seeing key n0 */
+    const int m_blocks = s.sq > m_begin ? (s.sq - m_begin + BM - 1) / BM : 0;
+    const int iters = (int)(h_end - h_begin) * m_blocks;
+
+    ULY_DYN_SMEM(unsigned char, smem); /* K, V [BN][D]; 2 x (Q, dO [BM][D]); dS^T [BN][BM];
+                                          2 x (lse * log2(e), Dsum [BM]) */
+    const uint32_t sK = uly_smem_addr(smem), sV = sK + BN * D * 2;
+    const uint32_t sQ0 = sV + BN * D * 2, sdO0 = sQ0 + 2 * BM * D * 2, sdS = sdO0 + 2 * BM * D * 2;
+    unsigned char *dS_tile = smem + (sdS - sK);
+    float *rows = (float *)(dS_tile + (DQ_ATOMIC ? BN * BM * 2 : 0)); /* [2][2][BM] */
+    const int warp = (int)(threadIdx.x / 32), wn = warp * 16 * MT;
+
+    auto load_queries = [&](int it, int stage) {
+        const int64_t h = h_begin + it / m_blocks;
+        const int m0 = m_begin + it % m_blocks * BM;
+        uly__tile_load<BM, D, NT>(sQ0 + stage * BM * D * 2, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h),
+                                  p.q.ss, s.sq - m0);
+        uly__tile_load<BM, D, NT>(sdO0 + stage * BM * D * 2,
+                                  uly__fa_row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss, s.sq - m0);
+        for (int r = (int)threadIdx.x; r < BM; r += NT) {
+            const bool ok = m0 + r < s.sq;
+            const int64_t i = uly__fa_lse_index(p, s, h, m0 + r);
+            rows[stage * 2 * BM + r] = ok ? p.lse[i] * ULY__LOG2E : INFINITY;
+            rows[stage * 2 * BM + BM + r] = ok ? p.dsum[i] : 0.f;
+        }
+    };
+
+    uly__tile_load<BN, D, NT>(sK, uly__fa_row<T>(p.k, s.b, s.k0 + n0, hk), p.k.ss, s.sk - n0);
+    uly__tile_load<BN, D, NT>(sV, uly__fa_row<T>(p.v, s.b, s.k0 + n0, hk), p.v.ss, s.sk - n0);
+    if (iters > 0) load_queries(0, 0);
+    uly_cp_async_commit();
+
+    float dk[MT][D / 8][4], dv[MT][D / 8][4];
+    uly__frag_zero(dk);
+    uly__frag_zero(dv);
+    for (int it = 0; it < iters; it++) {
+        const int stage = it & 1, m0 = m_begin + it % m_blocks * BM;
+        const int64_t h = h_begin + it / m_blocks;
+        const uint32_t sQ = sQ0 + stage * BM * D * 2, sdO = sdO0 + stage * BM * D * 2;
+        const float *lse2 = rows + stage * 2 * BM, *dsum = lse2 + BM;
+        uly_cp_async_wait_all();
+        __syncthreads(); /* this stage is in; every warp is done with the other one and dS */
+        if (it + 1 < iters) load_queries(it + 1, stage ^ 1);
+        uly_cp_async_commit();
+
+#pragma unroll 1
+        for (int c0 = 0; c0 < BM; c0 += BS) { /* BS query columns at a time, in registers */
+            float sc[MT][BS / 8][4], dp[MT][BS / 8][4];
+            uly__frag_zero(sc);
+            uly__frag_zero(dp);
+            uly__mma_ss<T, MT, BS / 8, D, D, false, D, false>(sc, sK, wn, sQ, c0);
+            uly__mma_ss<T, MT, BS / 8, D, D, false, D, false>(dp, sV, wn, sdO, c0);
+            if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
+                uly__mask(sc, n0 + wn, m0 + c0,
+                          [&](int n, int m) { return n >= s.sk || (p.causal && n > m + diag); });
+            uly__softmax_grad(sc, dp, p.scale_log2, [&](int, int nt, int i) {
+                const int c = c0 + 8 * nt + uly__frag_col(i);
+                return make_float2(lse2[c], dsum[c]);
+            });
+            if (DQ_ATOMIC) uly__frag_store<T, BM>(dS_tile, wn, c0, dp);
+            uint32_t pa[MT][BS / 16][4], dsa[MT][BS / 16][4];
+            uly__frag_to_a<T>(pa, sc);
+            uly__frag_to_a<T>(dsa, dp);
+            uly__mma_rs<T, MT, D / 8, BS, D>(dv, pa, sdO, 0, c0);
+            uly__mma_rs<T, MT, D / 8, BS, D>(dk, dsa, sQ, 0, c0);
+        }
+
+        if constexpr (DQ_ATOMIC) {
+            __syncthreads(); /* dS^T is complete */
+            const int qm = warp % QWM * 16, r = m0 + qm;
+#pragma unroll 1
+            for (int d0 = warp / QWM * QN; d0 < (warp / QWM + 1) * QN; d0 += 32) {
+                float dq[1][4][4]; /* 16 rows x 32 columns at a time */
+                uly__frag_zero(dq);
+                uly__mma_ss<T, 1, 4, BN, BM, true, D, true>(dq, sdS, qm, sK, d0);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    if (r + uly__frag_row(i) >= s.sq) continue;
+                    float *acc = p.dq_acc + uly__fa_lse_index(p, s, h, r + uly__frag_row(i)) * D;
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+                        atomicAdd(acc + d0 + 8 * nt + uly__frag_col(i), dq[0][nt][i]);
+                }
+            }
+        }
+    }
+
+    uly__frag_scale(dk, p.scale);
+    uly_cp_async_wait_all();
+    __syncthreads(); /* every warp is done with K and V: stage dK and dV there */
+    uly__frag_store<T, D>(smem, wn, 0, dk);
+    uly__frag_store<T, D>(smem + BN * D * 2, wn, 0, dv);
+    __syncthreads();
+    uly__tile_store<BN, D, NT>(uly__fa_row<T>(p.dk, s.b, s.k0 + n0, hk), p.dk.ss, s.sk - n0, smem);
+    uly__tile_store<BN, D, NT>(uly__fa_row<T>(p.dv, s.b, s.k0 + n0, hk), p.dv.ss, s.sk - n0,
+                               smem + BN * D * 2);
+}
+
+/* Deterministic dQ: a block owns BM query rows; grid (query blocks, H, B). Over the key blocks
+   in order: S = Q K^T, dP = dO V^T, P and dS, dQ += dS K, in registers; dq = scale * dQ. */
+template <typename T, int D>
+__global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
+    uly__flash_bwd_q(const uly__fa_params p) {
+    using C = typename uly__fa_traits<D>::dq;
+    constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const int m0 = (int)blockIdx.x * BM;
+    if (m0 >= s.sq) return;
+    const int64_t h = blockIdx.y, hk = uly__fa_kv_head(p, h);
+    const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
+
+    ULY_DYN_SMEM(unsigned char, smem); /* Q, dO [BM][D]; 2 x (K, V [BN][D]) */
+    const uint32_t sQ = uly_smem_addr(smem), sdO = sQ + BM * D * 2, sK0 = sdO + BM * D * 2;
+    const uint32_t sV0 = sK0 + 2 * BN * D * 2;
+    const int wm = (int)(threadIdx.x / 32) * 16 * MT;
+    const int diag = s.sk - s.sq;
+    const int n_end = p.causal ? min(s.sk, m0 + BM + diag) : s.sk;
+    const int n_blocks = n_end > 0 ? (n_end + BN - 1) / BN : 0;
+
+    float lse2[MT][2], dsum[MT][2]; /* of this thread's rows */
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int r = m0 + wm + 16 * mt + uly__frag_row(2 * hf);
+            const int64_t i = uly__fa_lse_index(p, s, h, r);
+            lse2[mt][hf] = r < s.sq ? p.lse[i] * ULY__LOG2E : INFINITY;
+            dsum[mt][hf] = r < s.sq ? p.dsum[i] : 0.f;
+        }
+
+    auto load_keys = [&](int j, int stage) {
+        const int n0 = j * BN;
+        uly__tile_load<BN, D, NT>(sK0 + stage * BN * D * 2, k + n0 * p.k.ss, p.k.ss, s.sk - n0);
+        uly__tile_load<BN, D, NT>(sV0 + stage * BN * D * 2, v + n0 * p.v.ss, p.v.ss, s.sk - n0);
+    };
+    uly__tile_load<BM, D, NT>(sQ, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
+    uly__tile_load<BM, D, NT>(sdO, uly__fa_row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss, s.sq - m0);
+    if (n_blocks > 0) load_keys(0, 0);
+    uly_cp_async_commit();
+
+    float dq[MT][D / 8][4];
+    uly__frag_zero(dq);
+    for (int j = 0; j < n_blocks; j++) {
+        const int stage = j & 1, n0 = j * BN;
+        const uint32_t sK = sK0 + stage * BN * D * 2, sV = sV0 + stage * BN * D * 2;
+        uly_cp_async_wait_all();
+        __syncthreads(); /* this stage is in; every warp is done with the other one */
+        if (j + 1 < n_blocks) load_keys(j + 1, stage ^ 1);
+        uly_cp_async_commit();
+
+        float sc[MT][BN / 8][4], dp[MT][BN / 8][4];
+        uly__frag_zero(sc);
+        uly__frag_zero(dp);
+        uly__mma_ss<T, MT, BN / 8, D, D, false, D, false>(sc, sQ, wm, sK, 0);
+        uly__mma_ss<T, MT, BN / 8, D, D, false, D, false>(dp, sdO, wm, sV, 0);
+        if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
+            uly__mask(sc, m0 + wm, n0,
+                      [&](int r, int c) { return c >= s.sk || (p.causal && c > r + diag); });
+        uly__softmax_grad(sc, dp, p.scale_log2, [&](int mt, int, int i) {
+            return make_float2(lse2[mt][i >> 1], dsum[mt][i >> 1]);
+        });
+        uint32_t dsa[MT][BN / 16][4];
+        uly__frag_to_a<T>(dsa, dp);
+        uly__mma_rs<T, MT, D / 8, BN, D>(dq, dsa, sK, 0, 0);
+    }
+
+    uly__frag_scale(dq, p.scale);
+    uly_cp_async_wait_all();
+    __syncthreads(); /* every warp is done with Q: stage dQ there */
+    uly__frag_store<T, D>(smem, wm, 0, dq);
+    __syncthreads();
+    uly__tile_store<BM, D, NT>(uly__fa_row<T>(p.dq, s.b, s.q0 + m0, h), p.dq.ss, s.sq - m0, smem);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Launchers */
+
+static int64_t uly__fa_align(int64_t n) { return (n + 255) & ~(int64_t)255; }
+
+/* Dsum (fp32, one per query row and head), then the fp32 dQ accumulator unless deterministic.
+   A varlen batch is one sequence of total_q rows, so the same count serves both. */
+static int64_t uly__fa_workspace(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    const int64_t rows = a->q.b * a->q.h * a->q.s;
+    return uly__fa_align(rows * 4) + (a->deterministic ? 0 : uly__fa_align(rows * a->q.d * 4));
+}
+
+/* The rules the kernels add to the contract: dtype, head dim, 16-byte rows, int32 positions. */
+static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, int backward,
+                                uly__fa_params *p) {
+    ULY__TRY(uly_attn_check(a, backward));
+    ULY__CHECK(a->q.dtype == ULY_BF16 || a->q.dtype == ULY_F16, ULY_EUNSUPPORTED,
+               "dtype %s: the flash kernels take bf16 or fp16", uly__dtype_name(a->q.dtype));
+    ULY__CHECK(a->q.d == 64 || a->q.d == 128, ULY_EUNSUPPORTED,
+               "q.d (%lld): the flash kernels take head dims 64 and 128 (uly_cublaslt_attention "
+               "takes any D <= 256, D %% 8 == 0)", ULY__LL(a->q.d));
+    const uly_tensor *ts[8] = {&a->q, &a->k, &a->v, &a->o, &a->dout, &a->dq, &a->dk, &a->dv};
+    const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
+    for (int i = 0; i < (backward ? 8 : 4); i++)
+        ULY__CHECK((uintptr_t)ts[i]->data % 16 == 0 && ts[i]->sb % 8 == 0 && ts[i]->ss % 8 == 0 &&
+                       ts[i]->sh % 8 == 0, ULY_EUNSUPPORTED,
+                   "%s: the flash kernels move 16-byte chunks: the address must be 16-byte "
+                   "aligned and the strides multiples of 8 elements", names[i]);
+    ULY__CHECK(a->q.s < INT32_MAX && a->k.s < INT32_MAX, ULY_EOVERFLOW,
+               "q.s (%lld), k.s (%lld): sequence positions must fit in int32", ULY__LL(a->q.s),
+               ULY__LL(a->k.s));
+    ULY__CHECK(a->softmax_scale >= 0, ULY_EUNSUPPORTED,
+               "softmax_scale (%g): the flash kernels take a positive scale",
+               (double)a->softmax_scale);
+    ULY__CHECK(!backward || a->workspace, ULY_EINVAL,
+               "workspace is NULL (workspace() gives its bytes)");
+    ULY__CHECK(!vl || (a->q.b == 1 && vl->batch >= 1 && vl->cu_seqlens_q && vl->cu_seqlens_k &&
+                       vl->max_seqlen_q >= 0 && vl->max_seqlen_q <= a->q.s &&
+                       vl->max_seqlen_k >= 0 && vl->max_seqlen_k <= a->k.s && vl->batch < 65536),
+               ULY_EINVAL,
+               "varlen: q.b must be 1, batch in [1, 65535], cu_seqlens_q/k set, max_seqlen_q/k "
+               "within q.s/k.s");
+    memset(p, 0, sizeof *p);
+    p->q = a->q, p->k = a->k, p->v = a->v, p->o = a->o;
+    if (backward) p->dout = a->dout, p->dq = a->dq, p->dk = a->dk, p->dv = a->dv;
+    p->lse = a->lse;
+    p->lse_sb = a->q.h * a->q.s;
+    p->lse_sh = a->q.s;
+    p->cu_q = vl ? vl->cu_seqlens_q : NULL;
+    p->cu_k = vl ? vl->cu_seqlens_k : NULL;
+    p->sq = (int)a->q.s;
+    p->sk = (int)a->k.s;
+    p->q_head0 = a->q_head0;
+    p->kv_group = a->kv_group ? a->kv_group : a->q.h / a->k.h;
+    p->scale = a->softmax_scale != 0.f ? a->softmax_scale : 1.f / sqrtf((float)a->q.d);
+    p->scale_log2 = p->scale * ULY__LOG2E;
+    p->causal = a->causal;
+    if (backward) {
+        p->dsum = (float *)a->workspace;
+        if (!a->deterministic)
+            p->dq_acc = (float *)((char *)a->workspace + uly__fa_align(a->q.b * a->q.h * a->q.s * 4));
+    }
+    return uly__ok();
+}
+
+template <typename T> struct uly__fa_type { typedef T type; };
+template <int D> struct uly__fa_dim { enum { value = D }; };
+
+/* Calls f(uly__fa_type<T>, uly__fa_dim<D>) for the run-time dtype and head dim. */
+template <typename F> static uly_status uly__fa_dispatch(uly_dtype t, int64_t d, F f) {
+    if (t == ULY_BF16)
+        return d == 64 ? f(uly__fa_type<__nv_bfloat16>(), uly__fa_dim<64>())
+                       : f(uly__fa_type<__nv_bfloat16>(), uly__fa_dim<128>());
+    return d == 64 ? f(uly__fa_type<__half>(), uly__fa_dim<64>())
+                   : f(uly__fa_type<__half>(), uly__fa_dim<128>());
+}
+
+static int uly__fa_cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
+
+/* Launches kernel on grid (nothing for an empty grid) with the dynamic shared memory it asks. */
+template <typename... P>
+static uly_status uly__fa_launch(void (*kernel)(P...), const char *name, dim3 grid, int threads,
+                                 size_t smem, cudaStream_t stream, const uly__fa_params &p) {
+    if (!grid.x || !grid.y || !grid.z) return uly__ok();
+    ULY__TRY(uly__cuda(cudaFuncSetAttribute((const void *)kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                       name));
+    ULY_LAUNCH(kernel, grid, dim3(threads), smem, stream, p);
+    return uly__cuda(cudaGetLastError(), name);
+}
+
+template <typename T, int D>
+static uly_status uly__fa_fwd_run(const uly__fa_params &p, int batch, int64_t max_sq, int64_t,
+                                  cudaStream_t stream) {
+    using F = typename uly__fa_traits<D>::fwd;
+    return uly__fa_launch(uly__flash_fwd<T, D>, "uly__flash_fwd",
+                          dim3(uly__fa_cdiv(max_sq, F::BM), (unsigned)p.q.h, batch), F::WARPS * 32,
+                          uly__fa_fwd_smem<D>(), stream, p);
+}
+
+/* Pre-pass, then either the atomic dQ kernel and the post-pass, or (deterministic) the dK/dV
+   kernel and the dQ kernel. */
+template <typename T, int D>
+static uly_status uly__fa_bwd_run(const uly__fa_params &p, int batch, int64_t max_sq,
+                                  int64_t max_sk, cudaStream_t stream) {
+    using B = typename uly__fa_traits<D>::bwd;
+    using Q = typename uly__fa_traits<D>::dq;
+    const bool atomic = p.dq_acc != NULL;
+    const dim3 rows(uly__fa_cdiv(max_sq, 4), (unsigned)p.q.h, batch);
+    const dim3 keys(uly__fa_cdiv(max_sk, B::BN), (unsigned)p.k.h, batch);
+    const size_t kv_smem = uly__fa_bwd_kv_smem<D>(atomic);
+    ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre", rows, 128, 0, stream, p));
+    if (atomic) {
+        ULY__TRY(uly__fa_launch(uly__flash_bwd_kv<T, D, true>, "uly__flash_bwd_kv", keys,
+                                B::WARPS * 32, kv_smem, stream, p));
+        return uly__fa_launch(uly__flash_bwd_post<T>, "uly__flash_bwd_post", rows, 128, 0, stream,
+                              p);
+    }
+    ULY__TRY(uly__fa_launch(uly__flash_bwd_kv<T, D, false>, "uly__flash_bwd_kv", keys,
+                            B::WARPS * 32, kv_smem, stream, p));
+    return uly__fa_launch(uly__flash_bwd_q<T, D>, "uly__flash_bwd_q",
+                          dim3(uly__fa_cdiv(max_sq, Q::BM), (unsigned)p.q.h, batch), Q::WARPS * 32,
+                          uly__fa_bwd_q_smem<D>(), stream, p);
+}
+
+/* Both directions, dense (vl NULL) or varlen. */
+static uly_status uly__fa_run(const uly_attn_args *a, const uly_varlen *vl, int backward) {
+    uly__fa_params p;
+    ULY__TRY(uly__fa_setup(a, vl, backward, &p));
+    const int batch = (int)(vl ? vl->batch : a->q.b);
+    const int64_t max_sq = vl ? vl->max_seqlen_q : a->q.s, max_sk = vl ? vl->max_seqlen_k : a->k.s;
+    cudaStream_t stream = (cudaStream_t)a->stream;
+    return uly__fa_dispatch(a->q.dtype, a->q.d, [&](auto t, auto d) {
+        using T = typename decltype(t)::type;
+        constexpr int D = decltype(d)::value;
+        return (backward ? uly__fa_bwd_run<T, D> : uly__fa_fwd_run<T, D>)(p, batch, max_sq, max_sk,
+                                                                          stream);
+    });
+}
+
+static uly_status uly__fa_fwd(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    return uly__fa_run(a, NULL, 0);
+}
+static uly_status uly__fa_bwd(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    return uly__fa_run(a, NULL, 1);
+}
+
+ULYDEF uly_attn uly_flash_attention(void) {
+    uly_attn at = {uly__fa_fwd, uly__fa_bwd, uly__fa_workspace, NULL};
+    return at;
+}
+
+ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v) {
+    return uly__fa_run(a, v, 0);
+}
+ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v) {
+    return uly__fa_run(a, v, 1);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The unfused cuBLASLt attention */
+
+#if defined(ULYSSES_CUBLASLT) && !defined(ULY_EMU)
+
+/* Row r of a [rows, sk] score block: query row r % sq of the block's head r / sq. */
+
+/* Forward softmax, one warp per row: p = exp(scale * s - lse) in T (0 where masked), and lse
+   unless NULL (the backward recomputes P). */
+template <typename T>
+__global__ void __launch_bounds__(128)
+    uly__lt_softmax(const float *s, T *p, float *lse, int64_t lse_sh, int rows, int sq, int sk,
+                    float scale, int causal) {
+    const int r = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
+    if (r >= rows) return;
+    const int i = r % sq, keep = causal ? min(sk, i + sk - sq + 1) : sk;
+    const float *row = s + (int64_t)r * sk;
+    float mx = -INFINITY, sum = 0.f;
+    for (int j = lane; j < keep; j += 32) mx = fmaxf(mx, row[j] * scale);
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    for (int j = lane; j < keep; j += 32) sum += expf(row[j] * scale - mx);
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float l = sum > 0.f ? mx + logf(sum) : INFINITY;
+    for (int j = lane; j < sk; j += 32)
+        p[(int64_t)r * sk + j] = (T)(j < keep ? expf(row[j] * scale - l) : 0.f);
+    if (lane == 0 && lse) lse[r / sq * lse_sh + i] = l;
+}
+
+/* Backward softmax, elementwise: ds = scale * p * (dp - Dsum) in T. */
+template <typename T>
+__global__ void __launch_bounds__(256)
+    uly__lt_softmax_grad(const T *p, const float *dp, const float *dsum, int64_t dsum_sh, T *ds,
+                         int64_t n, int sq, int sk, float scale) {
+    for (int64_t e = blockIdx.x * 256 + threadIdx.x; e < n; e += (int64_t)gridDim.x * 256) {
+        const int64_t r = e / sk;
+        ds[e] = (T)(scale * (float)p[e] * (dp[e] - dsum[r / sq * dsum_sh + r % sq]));
+    }
+}
+
+/* fp32 [rows, d] to the rows y, y + ss, ... in T. */
+template <typename T>
+__global__ void __launch_bounds__(256)
+    uly__lt_store(const float *x, T *y, int64_t ss, int64_t rows, int64_t d) {
+    for (int64_t e = blockIdx.x * 256 + threadIdx.x; e < rows * d; e += (int64_t)gridDim.x * 256)
+        y[e / d * ss + e % d] = (T)x[e];
+}
+
+static int uly__lt_blocks(int64_t n, int per_block) {
+    return (int)min((n + per_block - 1) / per_block, (int64_t)65535 * 16);
+}
+
+static uly_status uly__lt(cublasStatus_t e, const char *what) {
+    ULY__CHECK(e == CUBLAS_STATUS_SUCCESS, ULY_ECUDA, "%s: %s", what, cublasLtGetStatusString(e));
+    return uly__ok();
+}
+
+/* A row-major operand: rows x cols with leading dimension ld, batch stride in elements. */
+struct uly__lt_mat {
+    const void *p;
+    cudaDataType_t t;
+    int64_t rows, cols, ld, stride;
+};
+
+enum { ULY__LT_WS = 32 << 20 }; /* cuBLASLt's own workspace */
+
+/* D = alpha * op(A) op(B) + beta * D for `batch` row-major matrices (op transposes when t*).
+   cuBLASLt is column-major, where a row-major X is X^T: so it computes D^T = op(B)^T op(A)^T. */
+static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__lt_mat b, int tb,
+                               uly__lt_mat d, float alpha, float beta, int batch, void *ws,
+                               cudaStream_t stream) {
+    cublasLtMatmulDesc_t desc = NULL;
+    cublasLtMatrixLayout_t l[3] = {NULL, NULL, NULL};
+    const uly__lt_mat *m[3] = {&b, &a, &d};
+    const cublasOperation_t op[2] = {tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N};
+    uly_status st = uly__lt(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                            "cublasLtMatmulDescCreate");
+    if (!st.code)
+        st = uly__lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op[0],
+                                                    sizeof op[0]), "TRANSA");
+    if (!st.code)
+        st = uly__lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op[1],
+                                                    sizeof op[1]), "TRANSB");
+    for (int i = 0; i < 3 && !st.code; i++) {
+        st = uly__lt(cublasLtMatrixLayoutCreate(&l[i], m[i]->t, (uint64_t)m[i]->cols,
+                                                (uint64_t)m[i]->rows, m[i]->ld),
+                     "cublasLtMatrixLayoutCreate");
+        if (!st.code)
+            st = uly__lt(cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                          &batch, sizeof batch), "BATCH_COUNT");
+        if (!st.code)
+            st = uly__lt(cublasLtMatrixLayoutSetAttribute(
+                             l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &m[i]->stride,
+                             sizeof m[i]->stride), "STRIDED_BATCH_OFFSET");
+    }
+    if (!st.code)
+        st = uly__lt(cublasLtMatmul(h, desc, &alpha, b.p, l[0], a.p, l[1], &beta, d.p, l[2],
+                                    (void *)d.p, l[2], NULL, ws, ULY__LT_WS, stream),
+                     "cublasLtMatmul");
+    for (int i = 0; i < 3; i++)
+        if (l[i]) cublasLtMatrixLayoutDestroy(l[i]);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    return st;
+}
+
+/* The scratch of one kv head's group, then Dsum, dK and dV in fp32, and cuBLASLt's. */
+struct uly__lt_ws {
+    float *s;          /* S, then dP: [g, Sq, Sk] fp32 */
+    void *p, *ds;      /* P and dS: [g, Sq, Sk] in T */
+    float *dsum;       /* [B, H, Sq] */
+    float *dk, *dv;    /* [Sk, D] */
+    void *lt;
+};
+
+static int64_t uly__lt_group(const uly_attn_args *a) {
+    const int64_t g = a->kv_group ? a->kv_group : a->q.h / a->k.h;
+    return min(g, a->q.h);
+}
+
+static int64_t uly__lt_workspace(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    const int64_t blk = uly__lt_group(a) * a->q.s * a->k.s;
+    return uly__fa_align(blk * 4) + 2 * uly__fa_align(blk * 2) +
+           uly__fa_align(a->q.b * a->q.h * a->q.s * 4) + 2 * uly__fa_align(a->k.s * a->q.d * 4) +
+           ULY__LT_WS;
+}
+
+static uly__lt_ws uly__lt_carve(const uly_attn_args *a) {
+    const int64_t blk = uly__lt_group(a) * a->q.s * a->k.s;
+    char *w = (char *)a->workspace;
+    uly__lt_ws r;
+    r.s = (float *)w, w += uly__fa_align(blk * 4);
+    r.p = w, w += uly__fa_align(blk * 2);
+    r.ds = w, w += uly__fa_align(blk * 2);
+    r.dsum = (float *)w, w += uly__fa_align(a->q.b * a->q.h * a->q.s * 4);
+    r.dk = (float *)w, w += uly__fa_align(a->k.s * a->q.d * 4);
+    r.dv = (float *)w, w += uly__fa_align(a->k.s * a->q.d * 4);
+    r.lt = w;
+    return r;
+}
+
+/* Forward (backward = 0) or backward of every (batch, kv head): its group's query heads
+   [h0, h1) are one batched GEMM each (K and V have batch stride 0). */
+template <typename T>
+static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int backward) {
+    ULY__TRY(uly_attn_check(a, backward));
+    ULY__CHECK(a->q.dtype == ULY_BF16 || a->q.dtype == ULY_F16, ULY_EUNSUPPORTED,
+               "dtype %s: the cuBLASLt attention takes bf16 or fp16", uly__dtype_name(a->q.dtype));
+    ULY__CHECK(a->q.d <= 256 && a->q.d % 8 == 0, ULY_EUNSUPPORTED,
+               "q.d (%lld): the cuBLASLt attention takes D <= 256, D %% 8 == 0", ULY__LL(a->q.d));
+    ULY__CHECK(a->workspace, ULY_EINVAL, "workspace is NULL (workspace() gives its bytes)");
+    const cudaDataType_t dt = a->q.dtype == ULY_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const int64_t B = a->q.b, H = a->q.h, Sq = a->q.s, Sk = a->k.s, D = a->q.d;
+    const int64_t g = a->kv_group ? a->kv_group : H / a->k.h, g0 = a->q_head0 / g;
+    const float scale = a->softmax_scale != 0.f ? a->softmax_scale : 1.f / sqrtf((float)D);
+    cudaStream_t stream = (cudaStream_t)a->stream;
+    const uly__lt_ws w = uly__lt_carve(a);
+    ULY__CHECK(Sq > 0 && Sk > 0, ULY_EUNSUPPORTED,
+               "q.s (%lld), k.s (%lld): the cuBLASLt attention needs rows and keys", ULY__LL(Sq),
+               ULY__LL(Sk));
+    if (backward) {
+        uly__fa_params p;
+        memset(&p, 0, sizeof p);
+        p.o = a->o, p.dout = a->dout, p.q = a->q, p.dsum = w.dsum, p.lse_sb = H * Sq, p.lse_sh = Sq;
+        p.sq = (int)Sq;
+        ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre",
+                                dim3(uly__fa_cdiv(Sq, 4), (unsigned)H, (unsigned)B), 128, 0,
+                                stream, p));
+    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < a->k.h; j++) {
+            const int64_t h0 = max((int64_t)0, (j + g0) * g - a->q_head0);
+            const int64_t n = min(H, (j + g0 + 1) * g - a->q_head0) - h0;
+            const int rows = (int)(n * Sq);
+            const T *q = (const T *)a->q.data + b * a->q.sb + h0 * a->q.sh;
+            const T *k = (const T *)a->k.data + b * a->k.sb + j * a->k.sh;
+            const T *v = (const T *)a->v.data + b * a->v.sb + j * a->v.sh;
+            const int64_t lse0 = (b * H + h0) * Sq;
+            const uly__lt_mat Q = {q, dt, Sq, D, a->q.ss, a->q.sh}, K = {k, dt, Sk, D, a->k.ss, 0};
+            const uly__lt_mat V = {v, dt, Sk, D, a->v.ss, 0};
+            const uly__lt_mat S = {w.s, CUDA_R_32F, Sq, Sk, Sk, Sq * Sk};
+            const uly__lt_mat P = {w.p, dt, Sq, Sk, Sk, Sq * Sk};
+            ULY__TRY(uly__lt_gemm(h, Q, 0, K, 1, S, 1.f, 0.f, (int)n, w.lt, stream)); /* S = Q K^T */
+            ULY_LAUNCH(uly__lt_softmax<T>, dim3(uly__fa_cdiv(rows, 4)), dim3(128), 0, stream, w.s,
+                       (T *)w.p, backward ? NULL : a->lse + lse0, Sq, rows, (int)Sq,
+                       (int)Sk, scale, a->causal);
+            ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax"));
+            if (!backward) { /* O = P V */
+                T *o = (T *)a->o.data + b * a->o.sb + h0 * a->o.sh;
+                const uly__lt_mat O = {o, dt, Sq, D, a->o.ss, a->o.sh};
+                ULY__TRY(uly__lt_gemm(h, P, 0, V, 0, O, 1.f, 0.f, (int)n, w.lt, stream));
+                continue;
+            }
+            const T *dout = (const T *)a->dout.data + b * a->dout.sb + h0 * a->dout.sh;
+            T *dq = (T *)a->dq.data + b * a->dq.sb + h0 * a->dq.sh;
+            const uly__lt_mat dO = {dout, dt, Sq, D, a->dout.ss, a->dout.sh};
+            const uly__lt_mat dQ = {dq, dt, Sq, D, a->dq.ss, a->dq.sh};
+            const uly__lt_mat dS = {w.ds, dt, Sq, Sk, Sk, Sq * Sk};
+            ULY__TRY(uly__lt_gemm(h, dO, 0, V, 1, S, 1.f, 0.f, (int)n, w.lt, stream)); /* dP */
+            ULY_LAUNCH(uly__lt_softmax_grad<T>, dim3(uly__lt_blocks(rows * Sk, 256)), dim3(256), 0,
+                       stream, (const T *)w.p, w.s, w.dsum + lse0, Sq, (T *)w.ds, rows * Sk,
+                       (int)Sq, (int)Sk, scale);
+            ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax_grad"));
+            ULY__TRY(uly__lt_gemm(h, dS, 0, K, 0, dQ, 1.f, 0.f, (int)n, w.lt, stream)); /* dQ */
+            const uly__lt_mat dK = {w.dk, CUDA_R_32F, Sk, D, D, 0}, dV = {w.dv, CUDA_R_32F, Sk, D, D, 0};
+            for (int64_t i = 0; i < n; i++) { /* dK, dV summed over the group, in order */
+                const uly__lt_mat dSi = {(const T *)w.ds + i * Sq * Sk, dt, Sq, Sk, Sk, 0};
+                const uly__lt_mat Pi = {(const T *)w.p + i * Sq * Sk, dt, Sq, Sk, Sk, 0};
+                const uly__lt_mat Qi = {q + i * a->q.sh, dt, Sq, D, a->q.ss, 0};
+                const uly__lt_mat dOi = {dout + i * a->dout.sh, dt, Sq, D, a->dout.ss, 0};
+                ULY__TRY(uly__lt_gemm(h, dSi, 1, Qi, 0, dK, 1.f, i ? 1.f : 0.f, 1, w.lt, stream));
+                ULY__TRY(uly__lt_gemm(h, Pi, 1, dOi, 0, dV, 1.f, i ? 1.f : 0.f, 1, w.lt, stream));
+            }
+            T *dk = (T *)a->dk.data + b * a->dk.sb + j * a->dk.sh;
+            T *dv = (T *)a->dv.data + b * a->dv.sb + j * a->dv.sh;
+            ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
+                       (const float *)w.dk, dk, a->dk.ss, Sk, D);
+            ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
+                       (const float *)w.dv, dv, a->dv.ss, Sk, D);
+            ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_store"));
+        }
+    return uly__ok();
+}
+
+static uly_status uly__lt_fwd(void *ctx, const uly_attn_args *a) {
+    return a->q.dtype == ULY_F16 ? uly__lt_run<__half>((cublasLtHandle_t)ctx, a, 0)
+                                 : uly__lt_run<__nv_bfloat16>((cublasLtHandle_t)ctx, a, 0);
+}
+static uly_status uly__lt_bwd(void *ctx, const uly_attn_args *a) {
+    return a->q.dtype == ULY_F16 ? uly__lt_run<__half>((cublasLtHandle_t)ctx, a, 1)
+                                 : uly__lt_run<__nv_bfloat16>((cublasLtHandle_t)ctx, a, 1);
+}
+
+ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle) {
+    uly_attn at = {uly__lt_fwd, uly__lt_bwd, uly__lt_workspace, (void *)handle};
+    return at;
+}
+
+#endif /* ULYSSES_CUBLASLT && !ULY_EMU */
+
+/* ---------------------------------------------------------------------------------------------
+   The default GPU layer */
+
+ULYDEF uly_layer uly_cuda_layer(const uly_plan *plan, const uly_comm *comm, void *stream) {
+    uly_layer l;
+    memset(&l, 0, sizeof l);
+    l.plan = plan;
+    l.comm = comm;
+    l.stream = stream;
+    l.layout = uly_cuda_layout();
+    l.attn = uly_flash_attention();
+    return l;
+}
+
+#endif /* ULYSSES_IMPLEMENTATION */
+
+/* ---------------------------------------------------------------------------------------------
+   MIT License. Copyright (c) 2026 The ulysses authors. Permission is hereby granted, free of
+   charge, to any person obtaining a copy of this software and associated documentation files
+   (the "Software"), to deal in the Software without restriction, including without limitation
+   the rights to use, copy, modify, merge, publish, distribute, sublicense, and/or sell copies of
+   the Software, and to permit persons to whom the Software is furnished to do so, subject to the
+   following conditions: The above copyright notice and this permission notice shall be included
+   in all copies or substantial portions of the Software. THE SOFTWARE IS PROVIDED "AS IS",
+   WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING BUT NOT LIMITED TO THE WARRANTIES
+   OF MERCHANTABILITY, FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT. IN NO EVENT SHALL THE
+   AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM, DAMAGES OR OTHER LIABILITY, WHETHER IN AN
+   ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM, OUT OF OR IN CONNECTION WITH THE SOFTWARE
+   OR THE USE OR OTHER DEALINGS IN THE SOFTWARE. */

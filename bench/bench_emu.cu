@@ -2,7 +2,7 @@
 // for one block of 128 threads (4 warps), the shape of the attention kernels. Prints; times
 // nothing against a limit.
 #include "emu/cuda_emu.h"
-#include "wip/cuda_ptx.cuh"
+#include "ulysses_cuda.cuh"
 
 #include <chrono>
 #include <cstdio>

@@ -6,8 +6,8 @@
 // against hardware; tests of what only the emulator can see (poison, schedules, failure reports)
 // are under #ifdef ULY_EMU.
 #include "emu/cuda_emu.h"
-// The PTX wrappers alone (they move into ulysses_cuda.cuh when the wip/ sections are merged).
-#include "wip/cuda_ptx.cuh"
+// The PTX wrappers of ulysses_cuda.cuh (its declarations part; no implementation needed).
+#include "ulysses_cuda.cuh"
 
 #include <cstdint>
 #include <cstring>

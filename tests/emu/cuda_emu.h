@@ -58,7 +58,7 @@ extern __thread dim3 gridDim;
 static constexpr int warpSize = 32;
 
 // ---------------------------------------------------------------------------------------------
-// Emulator entry points. Kernel code reaches these only through the wrappers of wip/cuda_ptx.cuh
+// Emulator entry points. Kernel code reaches these only through the wrappers of ulysses_cuda.cuh
 // and the CUDA names below.
 
 enum uly_emu_type { ULY_EMU_BF16, ULY_EMU_F16 };
