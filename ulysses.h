@@ -255,8 +255,9 @@ typedef struct uly_layout {
     void *ctx;
 } uly_layout;
 
-/* The CPU reference: plain copy loops, any dtype; the DKV unpack adds the copies of a kv head
-   shared by ranks in f32 only (ULY_EUNSUPPORTED for bf16/f16 when a kv head is shared). */
+/* The CPU reference: plain copy loops, any dtype. The DKV unpack sums the gradient copies of a
+   kv head shared by ranks as the CUDA kernel does: widened to fp32, added in peer order, rounded
+   once to the dtype (to nearest, ties to even), so the two agree bit for bit. */
 ULYDEF uly_layout uly_cpu_layout(void);
 
 /* ---------------------------------------------------------------------------------------------
@@ -1072,6 +1073,74 @@ ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_C
 #endif /* ULYSSES_MPI */
 
 /* ---------------------------------------------------------------------------------------------
+   bf16 and fp16 <-> fp32, for the sums of the CPU layout. Widening is exact; rounding is to
+   nearest, ties to even, overflow to inf, as CUDA's __float2bfloat16_rn and __float2half_rn,
+   and a NaN rounds to the canonical 0x7fff as theirs do. */
+
+static uint32_t uly__f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
+static float uly__bits_f32(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* v / 2^n rounded to nearest, ties to even; 0 < n < 32. A carry out of the mantissa steps the
+   exponent, which is what rounding up to the next binade is. */
+static uint32_t uly__shift_rne(uint32_t v, int n) {
+    uint32_t q = v >> n, rest = v & ((1u << n) - 1), half = 1u << (n - 1);
+    return q + (rest > half || (rest == half && (q & 1)));
+}
+
+/* bf16 is the top half of fp32. */
+static float uly__bf16_to_f32(uint16_t h) { return uly__bits_f32((uint32_t)h << 16); }
+
+static uint16_t uly__f32_to_bf16(float x) {
+    uint32_t u = uly__f32_bits(x);
+    return (u & 0x7fffffff) > 0x7f800000 ? 0x7fff : (uint16_t)uly__shift_rne(u, 16);
+}
+
+/* fp16: 1 sign, 5 exponent (bias 15), 10 mantissa bits; exponent 0 is m * 2^-24. */
+static float uly__f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff;
+    if (e == 31) return uly__bits_f32(sign | 0x7f800000 | m << 13); /* inf, NaN */
+    float v = e ? ldexpf((float)(m | 0x400), (int)e - 25) : ldexpf((float)m, -24);
+    return sign ? -v : v;
+}
+
+static uint16_t uly__f32_to_f16(float x) {
+    uint32_t u = uly__f32_bits(x), a = u & 0x7fffffff, e = a >> 23, h;
+    if (a > 0x7f800000) return 0x7fff;                                /* NaN */
+    if (a >= 0x47800000) h = 0x7c00;                                  /* 2^16 and up: inf */
+    else if (e >= 113) h = uly__shift_rne(a - (112u << 23), 13);      /* normal: rebias */
+    else if (e >= 102) h = uly__shift_rne((a & 0x7fffff) | 0x800000, (int)(126 - e)); /* 2^-24s */
+    else h = 0; /* below 2^-25, half the smallest subnormal */
+    return (uint16_t)(((u >> 16) & 0x8000) | h);
+}
+
+/* The element of dtype t at x, widened to fp32, and an fp32 value rounded into one. */
+static float uly__load(uly_dtype t, const char *x) {
+    float f;
+    uint16_t h;
+    if (t == ULY_F32) {
+        memcpy(&f, x, 4);
+        return f;
+    }
+    memcpy(&h, x, 2);
+    return t == ULY_BF16 ? uly__bf16_to_f32(h) : uly__f16_to_f32(h);
+}
+
+static void uly__store(uly_dtype t, char *x, float f) {
+    uint16_t h = t == ULY_BF16 ? uly__f32_to_bf16(f) : uly__f32_to_f16(f);
+    if (t == ULY_F32) memcpy(x, &f, 4);
+    else memcpy(x, &h, 2);
+}
+
+/* ---------------------------------------------------------------------------------------------
    CPU layout: every direction of every exchange is one strided block copy per peer */
 
 /* dst = src, or dst += src in fp32 with add; two views of one shape. Heads, then tokens, that
@@ -1098,33 +1167,60 @@ static void uly__move(uly_tensor dst, uly_tensor src, int add) {
             }
 }
 
+/* Unpacking DKV when peers share kv heads: head h of t is the sum of the gradient copies of the
+   peers that hold it, widened to fp32, added in peer order and rounded once to t's dtype (what
+   the CUDA kernel computes); a head only one peer holds is copied. */
+static void uly__sum_kv_copies(const uly_plan *p, uly_tensor t, const char *recv) {
+    uly_tensor copy[ULY_MAX_SP]; /* peer m's block: its kv heads from start[m] on */
+    int64_t start[ULY_MAX_SP], es = uly_dtype_size(t.dtype);
+    int P = p->desc.sp_size, j = 0;
+    for (int m = 0; m < P; m++) {
+        uly_range hx = uly__xheads(p, ULY_X_DKV, m);
+        copy[m] = uly_dense((char *)recv, t.dtype, t.b, t.s, hx.count, t.d);
+        start[m] = hx.start;
+        recv += uly__bytes(p, t.s, hx.count);
+    }
+    for (int64_t h = 0; h < t.h; h++) {
+        while (h >= start[j] + copy[j].h) j++; /* j: the first peer that holds head h */
+        int k = j + 1;                         /* k - 1: the last */
+        while (k < P && start[k] <= h) k++;
+        if (k == j + 1) {
+            uly__move(uly_head_slice(t, h, 1), uly_head_slice(copy[j], h - start[j], 1), 0);
+            continue;
+        }
+        for (int64_t b = 0; b < t.b; b++)
+            for (int64_t s = 0; s < t.s; s++)
+                for (int64_t e = 0; e < t.d; e++) {
+                    float acc = uly__load(t.dtype, uly__at(copy[j], b, s, h - start[j]) + e * es);
+                    for (int m = j + 1; m < k; m++)
+                        acc += uly__load(t.dtype, uly__at(copy[m], b, s, h - start[m]) + e * es);
+                    uly__store(t.dtype, uly__at(t, b, s, h) + e * es, acc);
+                }
+    }
+}
+
 /* Moves peer blocks between tensor t and exchange buffer buf. In buf the blocks are dense, in
    peer order; in t peer j's block is the view of j's heads (sequence layout) or of j's tokens
-   (head layout). Unpacking DKV adds a kv head's gradient onto the copies earlier peers wrote. */
+   (head layout). */
 static uly_status uly__cpu_move(const uly_plan *p, uly_xchg x, int pack, uly_tensor t, char *buf) {
     ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "layout: plan is NULL or not from uly_plan_init");
     ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "layout: exchange (%d) is not a "
                "uly_xchg", (int)x);
-    int seq = pack == uly__to_head(x), sum = !pack && x == ULY_X_DKV;
+    int seq = pack == uly__to_head(x);
     uly_tensor want = seq ? uly__seq_layout(p, x, NULL) : uly__head_layout(p, x, NULL);
     ULY__TRY(uly__check_like(pack ? "layout: pack src" : "layout: unpack dst", t, want));
     ULY__CHECK(buf, ULY_EINVAL, "layout: %s is NULL", pack ? "send" : "recv");
-    ULY__CHECK(!sum || t.dtype == ULY_F32 || !uly__kv_shared(p), ULY_EUNSUPPORTED,
-               "layout: dtype %s: the CPU layout sums the gradient copies of a kv head shared "
-               "by ranks (DKV unpack) in f32 only", uly__dtype_name(t.dtype));
-    int64_t top = 0; /* end of the heads written by earlier peers */
+    if (!pack && x == ULY_X_DKV && uly__kv_shared(p)) {
+        uly__sum_kv_copies(p, t, buf);
+        return uly__ok();
+    }
     for (int j = 0; j < p->desc.sp_size; j++) {
         uly_range tok = uly_tokens(p, j), hx = uly__xheads(p, x, j);
         uly_tensor view = seq ? uly_head_slice(t, hx.start, hx.count)
                               : uly__token_slice(t, tok.start, tok.count);
         uly_tensor blk = uly_dense(buf, t.dtype, view.b, view.s, view.h, view.d);
-        uly_tensor dst = pack ? blk : view, src = pack ? view : blk;
-        int64_t shared = sum ? uly__max(0, uly__min(top - hx.start, hx.count)) : 0;
-        uly__move(uly_head_slice(dst, 0, shared), uly_head_slice(src, 0, shared), 1);
-        uly__move(uly_head_slice(dst, shared, dst.h - shared),
-                  uly_head_slice(src, shared, src.h - shared), 0);
+        uly__move(pack ? blk : view, pack ? view : blk, 0);
         buf += uly__bytes(p, view.s, view.h);
-        top = hx.start + hx.count;
     }
     return uly__ok();
 }
