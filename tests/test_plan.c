@@ -47,13 +47,14 @@ typedef struct sweep {
     int dp;
 } sweep;
 
-/* Calls fn on every shape of the sweep; returns how many it visited. */
-static int each_shape(void (*fn)(const sweep *s, int *bad), int *bad) {
+/* Calls fn on every shape of the sweep, with a count of its failed checks (SWEEP_CHECK); returns
+   how many shapes it visited. */
+static int each_shape(void (*fn)(const sweep *s, int *bad)) {
     static const int64_t Ss[] = {1, 2, 3, 5, 7, 8, 13, 31, 64, 67};
     static const int64_t Hkvs[] = {1, 2, 3, 5, 8};
     static const int64_t gs[] = {1, 2, 4, 8};
     static const uly_dtype dts[] = {ULY_F32, ULY_BF16, ULY_F16};
-    int n = 0;
+    int n = 0, bad = 0;
     for (int P = 1; P <= 8; P++)
         for (int64_t B = 1; B <= 3; B++)
             for (size_t si = 0; si < sizeof Ss / sizeof *Ss + 1; si++)
@@ -74,7 +75,7 @@ static int each_shape(void (*fn)(const sweep *s, int *bad), int *bad) {
                             s.d.n_kv_heads = Hkvs[ki];
                             s.d.head_dim = (B + S) % 2 ? 8 : 16;
                             s.d.dtype = dts[(P + S + H) % 3];
-                            fn(&s, bad);
+                            fn(&s, &bad);
                             n++;
                         }
     return n;
@@ -113,8 +114,7 @@ static void every_shape_is_accepted(const sweep *s, int *bad) {
     }
 }
 TEST(plan_accepts_every_valid_shape_of_the_sweep) {
-    int bad = 0;
-    int n = each_shape(every_shape_is_accepted, &bad);
+    int n = each_shape(every_shape_is_accepted);
     CHECK(n > 1000, "the sweep visited only %d shapes", n);
 }
 
@@ -127,10 +127,7 @@ static void sp_and_dp_ranks(const sweep *s, int *bad) {
                     p.dp_rank);
     }
 }
-TEST(sp_rank_is_rank_mod_P_and_dp_rank_is_rank_div_P) {
-    int bad = 0;
-    each_shape(sp_and_dp_ranks, &bad);
-}
+TEST(sp_rank_is_rank_mod_P_and_dp_rank_is_rank_div_P) { each_shape(sp_and_dp_ranks); }
 
 static void desc_filled_in(const sweep *s, int *bad) {
     uly_plan p;
@@ -141,10 +138,7 @@ static void desc_filled_in(const sweep *s, int *bad) {
                 &s->d, "group %lld elem_size %lld", SHAPE_ARGS(&s->d), (long long)p.group,
                 (long long)p.elem_size);
 }
-TEST(plan_records_group_size_and_element_size) {
-    int bad = 0;
-    each_shape(desc_filled_in, &bad);
-}
+TEST(plan_records_group_size_and_element_size) { each_shape(desc_filled_in); }
 
 TEST(n_kv_heads_0_means_n_heads) {
     uly_plan p;
@@ -159,60 +153,38 @@ TEST(n_kv_heads_0_means_n_heads) {
           (long long)kv.start, (long long)kv.count);
 }
 
-static void token_ranges(const sweep *s, int *bad) {
+/* The ranges range(p, r) of the P ranks split [0, n) in rank order, none empty, and rank r's is
+   [f_start(n, P, r), +f_count(n, P, r)). */
+static void check_split(const sweep *s, int *bad, const char *what,
+                        uly_range (*range)(const uly_plan *, int), int64_t n) {
     uly_plan p;
     if (plan_for(&s->d, 0, &p)) return;
+    int P = s->d.sp_size;
     int64_t next = 0;
-    for (int r = 0; r < s->d.sp_size; r++) {
-        uly_range t = uly_tokens(&p, r);
-        SWEEP_CHECK(t.start == next && t.count >= 1, &s->d, "rank %d tokens [%lld,+%lld) after %lld",
-                    SHAPE_ARGS(&s->d), r, (long long)t.start, (long long)t.count, (long long)next);
+    for (int r = 0; r < P; r++) {
+        uly_range t = range(&p, r);
+        SWEEP_CHECK(t.start == next && t.count >= 1, &s->d, "rank %d %s [%lld,+%lld) after %lld",
+                    SHAPE_ARGS(&s->d), r, what, (long long)t.start, (long long)t.count,
+                    (long long)next);
+        SWEEP_CHECK(t.count == f_count(n, P, r) && t.start == f_start(n, P, r), &s->d,
+                    "rank %d %s [%lld,+%lld) against the formula", SHAPE_ARGS(&s->d), r, what,
+                    (long long)t.start, (long long)t.count);
         next = t.start + t.count;
     }
-    SWEEP_CHECK(next == s->d.seq_len, &s->d, "tokens end at %lld", SHAPE_ARGS(&s->d),
-                (long long)next);
-}
-TEST(token_ranges_partition_the_sequence_in_rank_order) {
-    int bad = 0;
-    each_shape(token_ranges, &bad);
+    SWEEP_CHECK(next == n, &s->d, "%s end at %lld, not %lld", SHAPE_ARGS(&s->d), what,
+                (long long)next, (long long)n);
 }
 
-static void token_formula(const sweep *s, int *bad) {
-    uly_plan p;
-    if (plan_for(&s->d, 0, &p)) return;
-    int P = s->d.sp_size;
-    for (int r = 0; r < P; r++) {
-        uly_range t = uly_tokens(&p, r);
-        SWEEP_CHECK(t.count == f_count(s->d.seq_len, P, r) && t.start == f_start(s->d.seq_len, P, r),
-                    &s->d, "rank %d tokens [%lld,+%lld)", SHAPE_ARGS(&s->d), r,
-                    (long long)t.start, (long long)t.count);
-    }
+static void token_ranges(const sweep *s, int *bad) {
+    check_split(s, bad, "tokens", uly_tokens, s->d.seq_len);
 }
-TEST(rank_r_owns_S_div_P_plus_one_if_r_below_S_mod_P_tokens) {
-    int bad = 0;
-    each_shape(token_formula, &bad);
-}
+TEST(token_ranges_partition_the_sequence_in_rank_order_by_the_formula) { each_shape(token_ranges); }
 
 static void head_ranges(const sweep *s, int *bad) {
-    uly_plan p;
-    if (plan_for(&s->d, 0, &p)) return;
-    int P = s->d.sp_size;
-    int64_t next = 0;
-    for (int r = 0; r < P; r++) {
-        uly_range h = uly_heads(&p, r);
-        SWEEP_CHECK(h.start == next && h.count >= 1, &s->d, "rank %d heads [%lld,+%lld)",
-                    SHAPE_ARGS(&s->d), r, (long long)h.start, (long long)h.count);
-        SWEEP_CHECK(h.count == f_count(s->d.n_heads, P, r) && h.start == f_start(s->d.n_heads, P, r),
-                    &s->d, "rank %d heads [%lld,+%lld) against the formula", SHAPE_ARGS(&s->d), r,
-                    (long long)h.start, (long long)h.count);
-        next = h.start + h.count;
-    }
-    SWEEP_CHECK(next == s->d.n_heads, &s->d, "heads end at %lld", SHAPE_ARGS(&s->d),
-                (long long)next);
+    check_split(s, bad, "heads", uly_heads, s->d.n_heads);
 }
-TEST(head_ranges_partition_the_query_heads_by_the_formula) {
-    int bad = 0;
-    each_shape(head_ranges, &bad);
+TEST(head_ranges_partition_the_query_heads_in_rank_order_by_the_formula) {
+    each_shape(head_ranges);
 }
 
 static void kv_heads(const sweep *s, int *bad) {
@@ -235,10 +207,7 @@ static void kv_heads(const sweep *s, int *bad) {
                     "rank %d kv heads out of [0, Hkv)", SHAPE_ARGS(&s->d), r);
     }
 }
-TEST(every_query_head_finds_its_kv_head_on_its_rank) {
-    int bad = 0;
-    each_shape(kv_heads, &bad);
-}
+TEST(every_query_head_finds_its_kv_head_on_its_rank) { each_shape(kv_heads); }
 
 static void kv_covered(const sweep *s, int *bad) {
     uly_plan p;
@@ -254,10 +223,7 @@ static void kv_covered(const sweep *s, int *bad) {
                     (long long)kh);
     }
 }
-TEST(every_kv_head_is_held_by_at_least_one_rank) {
-    int bad = 0;
-    each_shape(kv_covered, &bad);
-}
+TEST(every_kv_head_is_held_by_at_least_one_rank) { each_shape(kv_covered); }
 
 static const uly_xchg all_x[4] = {ULY_X_Q, ULY_X_KV, ULY_X_O, ULY_X_DKV};
 static const char *x_name[4] = {"Q", "KV", "O", "DKV"};
@@ -287,61 +253,57 @@ static void bytes_balance(const sweep *s, int *bad) {
     }
 }
 TEST(bytes_sent_from_i_to_j_equal_bytes_j_receives_from_i_for_every_exchange) {
-    int bad = 0;
-    each_shape(bytes_balance, &bad);
+    each_shape(bytes_balance);
 }
 
-static void bytes_formula(const sweep *s, int *bad) {
-    int P = s->d.sp_size;
-    counts c;
-    for (int r = 0; r < P; r++) {
+/* Calls fn with the counts of every exchange on every rank of the first SP group. */
+static void each_exchange(const sweep *s, int *bad,
+                          void (*fn)(const sweep *s, int *bad, const uly_plan *p, int x,
+                                     const counts *c)) {
+    for (int r = 0; r < s->d.sp_size; r++) {
         uly_plan p;
+        counts c;
         if (plan_for(&s->d, r, &p)) return;
         for (int x = 0; x < 4; x++) {
             uly_exchange_counts(&p, all_x[x], c.sc, c.so, c.rc, c.ro);
-            for (int j = 0; j < P; j++) {
-                int64_t ws = f_bytes(&s->d, all_x[x], r, j, 1), wr = f_bytes(&s->d, all_x[x], r, j, 0);
-                SWEEP_CHECK(c.sc[j] == ws && c.rc[j] == wr, &s->d,
-                            "%s rank %d peer %d: send %lld (want %lld) recv %lld (want %lld)",
-                            SHAPE_ARGS(&s->d), x_name[x], r, j, (long long)c.sc[j], (long long)ws,
-                            (long long)c.rc[j], (long long)wr);
-            }
+            fn(s, bad, &p, x, &c);
         }
     }
 }
+
+static void bytes_formula(const sweep *s, int *bad, const uly_plan *p, int x, const counts *c) {
+    int r = p->sp_rank;
+    for (int j = 0; j < s->d.sp_size; j++) {
+        int64_t ws = f_bytes(&s->d, all_x[x], r, j, 1), wr = f_bytes(&s->d, all_x[x], r, j, 0);
+        SWEEP_CHECK(c->sc[j] == ws && c->rc[j] == wr, &s->d,
+                    "%s rank %d peer %d: send %lld (want %lld) recv %lld (want %lld)",
+                    SHAPE_ARGS(&s->d), x_name[x], r, j, (long long)c->sc[j], (long long)ws,
+                    (long long)c->rc[j], (long long)wr);
+    }
+}
+static void bytes_formulas(const sweep *s, int *bad) { each_exchange(s, bad, bytes_formula); }
 TEST(byte_counts_are_batch_tokens_heads_headdim_elemsize_of_the_blocks) {
-    int bad = 0;
-    each_shape(bytes_formula, &bad);
+    each_shape(bytes_formulas);
 }
 
-static void offsets(const sweep *s, int *bad) {
-    int P = s->d.sp_size;
-    counts c;
-    for (int r = 0; r < P; r++) {
-        uly_plan p;
-        if (plan_for(&s->d, r, &p)) return;
-        for (int x = 0; x < 4; x++) {
-            uly_exchange_counts(&p, all_x[x], c.sc, c.so, c.rc, c.ro);
-            int64_t so = 0, ro = 0;
-            for (int j = 0; j < P; j++) {
-                SWEEP_CHECK(c.so[j] == so && c.ro[j] == ro, &s->d,
-                            "%s rank %d peer %d: offsets %lld %lld, prefix sums %lld %lld",
-                            SHAPE_ARGS(&s->d), x_name[x], r, j, (long long)c.so[j],
-                            (long long)c.ro[j], (long long)so, (long long)ro);
-                so += c.sc[j];
-                ro += c.rc[j];
-            }
-            SWEEP_CHECK(uly_send_bytes(&p, all_x[x]) == so && uly_recv_bytes(&p, all_x[x]) == ro,
-                        &s->d, "%s rank %d: send_bytes %lld (sum %lld) recv_bytes %lld (sum %lld)",
-                        SHAPE_ARGS(&s->d), x_name[x], r, (long long)uly_send_bytes(&p, all_x[x]),
-                        (long long)so, (long long)uly_recv_bytes(&p, all_x[x]), (long long)ro);
-        }
+static void offsets(const sweep *s, int *bad, const uly_plan *p, int x, const counts *c) {
+    int r = p->sp_rank;
+    int64_t so = 0, ro = 0;
+    for (int j = 0; j < s->d.sp_size; j++) {
+        SWEEP_CHECK(c->so[j] == so && c->ro[j] == ro, &s->d,
+                    "%s rank %d peer %d: offsets %lld %lld, prefix sums %lld %lld",
+                    SHAPE_ARGS(&s->d), x_name[x], r, j, (long long)c->so[j], (long long)c->ro[j],
+                    (long long)so, (long long)ro);
+        so += c->sc[j];
+        ro += c->rc[j];
     }
+    SWEEP_CHECK(uly_send_bytes(p, all_x[x]) == so && uly_recv_bytes(p, all_x[x]) == ro, &s->d,
+                "%s rank %d: send_bytes %lld (sum %lld) recv_bytes %lld (sum %lld)",
+                SHAPE_ARGS(&s->d), x_name[x], r, (long long)uly_send_bytes(p, all_x[x]),
+                (long long)so, (long long)uly_recv_bytes(p, all_x[x]), (long long)ro);
 }
-TEST(offsets_are_prefix_sums_and_totals_are_sums_of_counts) {
-    int bad = 0;
-    each_shape(offsets, &bad);
-}
+static void all_offsets(const sweep *s, int *bad) { each_exchange(s, bad, offsets); }
+TEST(offsets_are_prefix_sums_and_totals_are_sums_of_counts) { each_shape(all_offsets); }
 
 static void inverse(const sweep *s, int *bad) {
     int P = s->d.sp_size;
@@ -360,10 +322,7 @@ static void inverse(const sweep *s, int *bad) {
                         SHAPE_ARGS(&s->d), r, j);
     }
 }
-TEST(head_to_seq_exchanges_are_the_inverses_of_seq_to_head) {
-    int bad = 0;
-    each_shape(inverse, &bad);
-}
+TEST(head_to_seq_exchanges_are_the_inverses_of_seq_to_head) { each_shape(inverse); }
 
 TEST(the_sp_groups_of_a_world_are_consecutive_ranks_with_equal_plans) {
     /* world 12 = DP 3 x SP 4: ranks 4..7 form SP group 1 and plan exactly like ranks 0..3. */
