@@ -55,7 +55,7 @@ $(BUILD) $(BUILD)/asan:
 # Foundation tests (tests/test_*.c): every C test is built twice, plain in $(BUILD)/ and with
 # $(SAN) (at -O1, quicker to build) in $(BUILD)/asan/, and both run. The MPI test needs mpicc, the torch test PyTorch.
 ULY_CTESTS    = test_plan test_layer test_loss test_errors test_dtype test_torch
-ULY_TEST_DEPS = ulysses.h tests/check.h tests/ref64.h tests/sp_case.h
+ULY_TEST_DEPS = ulysses.h tests/check.h tests/ref64.h tests/sp_case.h tests/attn_call.h
 ULY_TORCH_RUN = $(PYTHON) tests/torch_attention.py
 HAVE_CLANG   := $(shell command -v clang >/dev/null 2>&1 && command -v clang++ >/dev/null 2>&1 && echo 1)
 

@@ -159,26 +159,22 @@ static inline void ref64_backward(const ref_shape *s, const float *q, const floa
     free(dp);
 }
 
-/* Largest |got - want| over n values; NaN or a mismatched infinity counts as +inf. */
+/* |got - want|, where NaN, or an infinity the other side does not match, counts as +inf. */
+static inline double ref_err(double got, double want) {
+    if (isinf(got) || isinf(want)) return got == want ? 0 : INFINITY;
+    return isnan(got - want) ? INFINITY : fabs(got - want);
+}
+
+/* Largest ref_err over n values. */
 static inline double ref_maxdiff_fd(const float *got, const double *want, int64_t n) {
     double m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double g = got[i], w = want[i], e;
-        if (isinf(w) || isinf(g)) e = (g == w) ? 0 : INFINITY;
-        else e = fabs(g - w);
-        if (!(e <= m)) m = isnan(e) ? INFINITY : e;
-    }
+    for (int64_t i = 0; i < n; i++) m = fmax(m, ref_err(got[i], want[i]));
     return m;
 }
 
 static inline double ref_maxdiff_ff(const float *got, const float *want, int64_t n) {
     double m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double g = got[i], w = want[i], e;
-        if (isinf(w) || isinf(g)) e = (g == w) ? 0 : INFINITY;
-        else e = fabs(g - w);
-        if (!(e <= m)) m = isnan(e) ? INFINITY : e;
-    }
+    for (int64_t i = 0; i < n; i++) m = fmax(m, ref_err(got[i], want[i]));
     return m;
 }
 

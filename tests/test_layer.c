@@ -14,6 +14,7 @@
 #include "check.h"
 #include "ref64.h"
 #include "sp_case.h"
+#include "attn_call.h"
 
 /* P, B, S, H, Hkv, D, causal, fused */
 static const sp_case cases[] = {
@@ -162,29 +163,33 @@ TEST(saved_lse_in_B_Hr_S_layout_is_within_1e_5_of_fp64_lse) {
     }
 }
 
+/* The largest errors of f's out, lse, dq, dk, dv against case i's fp64 reference. */
+static void fp64_errors(int i, const sp_full *f, double e[5]) {
+    const sp_case *c = &cases[i];
+    const result *r = run_case(i);
+    e[0] = ref_maxdiff_fd(f->out, r->o, sp_nq(c));
+    e[1] = ref_maxdiff_fd(f->lse, r->lse, sp_nlse(c));
+    e[2] = ref_maxdiff_fd(f->dq, r->dq, sp_nq(c));
+    e[3] = ref_maxdiff_fd(f->dk, r->dk, sp_nkv(c));
+    e[4] = ref_maxdiff_fd(f->dv, r->dv, sp_nkv(c));
+}
+
 TEST(backward_is_within_1e_5_of_fp64_gradients) {
     for (int i = 0; i < NCASES; i++) {
-        result *r = run_case(i);
-        const sp_case *c = &cases[i];
-        double eq = ref_maxdiff_fd(r->sp.dq, r->dq, sp_nq(c));
-        double ek = ref_maxdiff_fd(r->sp.dk, r->dk, sp_nkv(c));
-        double ev = ref_maxdiff_fd(r->sp.dv, r->dv, sp_nkv(c));
-        CHECK(eq <= 1e-5 && ek <= 1e-5 && ev <= 1e-5, SP_CASE_FMT ": dq %g dk %g dv %g",
-              SP_CASE_ARGS(c), eq, ek, ev);
+        double e[5];
+        fp64_errors(i, &run_case(i)->sp, e);
+        CHECK(e[2] <= 1e-5 && e[3] <= 1e-5 && e[4] <= 1e-5, SP_CASE_FMT ": dq %g dk %g dv %g",
+              SP_CASE_ARGS(&cases[i]), e[2], e[3], e[4]);
     }
 }
 
 TEST(unsharded_cpu_attention_is_within_1e_5_of_fp64_forward_and_backward) {
     for (int i = 0; i < NCASES; i++) {
-        result *r = run_case(i);
-        const sp_case *c = &cases[i];
-        double eo = ref_maxdiff_fd(r->cpu.out, r->o, sp_nq(c));
-        double el = ref_maxdiff_fd(r->cpu.lse, r->lse, sp_nlse(c));
-        double eq = ref_maxdiff_fd(r->cpu.dq, r->dq, sp_nq(c));
-        double ek = ref_maxdiff_fd(r->cpu.dk, r->dk, sp_nkv(c));
-        double ev = ref_maxdiff_fd(r->cpu.dv, r->dv, sp_nkv(c));
-        CHECK(eo <= 1e-5 && el <= 1e-5 && eq <= 1e-5 && ek <= 1e-5 && ev <= 1e-5,
-              SP_CASE_FMT ": out %g lse %g dq %g dk %g dv %g", SP_CASE_ARGS(c), eo, el, eq, ek, ev);
+        double e[5];
+        fp64_errors(i, &run_case(i)->cpu, e);
+        CHECK(e[0] <= 1e-5 && e[1] <= 1e-5 && e[2] <= 1e-5 && e[3] <= 1e-5 && e[4] <= 1e-5,
+              SP_CASE_FMT ": out %g lse %g dq %g dk %g dv %g", SP_CASE_ARGS(&cases[i]), e[0],
+              e[1], e[2], e[3], e[4]);
     }
 }
 
@@ -213,69 +218,40 @@ TEST(fused_qkv_views_give_the_same_bits_as_separate_tensors) {
 /* ---------------------------------------------------------------------------------------------
    The attention contract, against fp64 directly */
 
-typedef struct attn_case {
-    int64_t B, Sq, Sk, H, Hkv, D;
-    int causal;
-} attn_case;
-
 /* Runs uly_cpu_attention on dense tensors built from a seed and compares with ref64. Returns the
    largest error of out, lse, dq, dk, dv; *status_code gets the first non-zero status. */
-static double attn_vs_fp64(const attn_case *ac, uint64_t seed, int *status_code) {
+static double attn_vs_fp64(const ref_shape *ac, uint64_t seed, int *status_code) {
     int64_t nq = ac->B * ac->Sq * ac->H * ac->D, nk = ac->B * ac->Sk * ac->Hkv * ac->D;
     int64_t nl = ac->B * ac->H * ac->Sq;
-    float *q = ref_alloc_f(nq), *k = ref_alloc_f(nk), *v = ref_alloc_f(nk), *dout = ref_alloc_f(nq);
-    float *o = ref_alloc_f(nq), *lse = ref_alloc_f(nl), *dq = ref_alloc_f(nq);
-    float *dk = ref_alloc_f(nk), *dv = ref_alloc_f(nk);
-    ref_fill(q, nq, seed), ref_fill(k, nk, seed + 1), ref_fill(v, nk, seed + 2);
-    ref_fill(dout, nq, seed + 3);
-    sp_fill_nan(o, nq), sp_fill_nan(lse, nl), sp_fill_nan(dq, nq), sp_fill_nan(dk, nk);
-    sp_fill_nan(dv, nk);
-    uly_attn attn = uly_cpu_attention();
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = uly_dense(q, ULY_F32, ac->B, ac->Sq, ac->H, ac->D);
-    a.k = uly_dense(k, ULY_F32, ac->B, ac->Sk, ac->Hkv, ac->D);
-    a.v = uly_dense(v, ULY_F32, ac->B, ac->Sk, ac->Hkv, ac->D);
-    a.o = uly_dense(o, ULY_F32, ac->B, ac->Sq, ac->H, ac->D);
-    a.dout = uly_dense(dout, ULY_F32, ac->B, ac->Sq, ac->H, ac->D);
-    a.dq = uly_dense(dq, ULY_F32, ac->B, ac->Sq, ac->H, ac->D);
-    a.dk = uly_dense(dk, ULY_F32, ac->B, ac->Sk, ac->Hkv, ac->D);
-    a.dv = uly_dense(dv, ULY_F32, ac->B, ac->Sk, ac->Hkv, ac->D);
-    a.lse = lse;
-    a.causal = ac->causal;
-    int64_t ws = attn.workspace ? attn.workspace(attn.ctx, &a) : 0;
-    a.workspace = malloc((size_t)(ws > 0 ? ws : 1));
-    uly_status st = attn.fwd(attn.ctx, &a);
-    if (!st.code) st = attn.bwd(attn.ctx, &a);
-    *status_code = st.code;
-    free(a.workspace);
+    attn_bufs x = {ref_alloc_f(nq), ref_alloc_f(nk), ref_alloc_f(nk), ref_alloc_f(nq),
+                   ref_alloc_f(nl), ref_alloc_f(nq), ref_alloc_f(nq), ref_alloc_f(nk),
+                   ref_alloc_f(nk)};
+    ref_fill(x.q, nq, seed), ref_fill(x.k, nk, seed + 1), ref_fill(x.v, nk, seed + 2);
+    ref_fill(x.dout, nq, seed + 3);
+    sp_fill_nan(x.o, nq), sp_fill_nan(x.lse, nl), sp_fill_nan(x.dq, nq), sp_fill_nan(x.dk, nk);
+    sp_fill_nan(x.dv, nk);
+    *status_code = attn_run(attn_args(ac, &x), 1).code;
 
-    ref_shape s = {ac->B, ac->Sq, ac->Sk, ac->H, ac->Hkv, ac->D, ac->causal, 0};
     double *ro = ref_alloc_d(nq), *rl = ref_alloc_d(nl), *rq = ref_alloc_d(nq);
     double *rk = ref_alloc_d(nk), *rv = ref_alloc_d(nk);
-    ref64_forward(&s, q, k, v, ro, rl);
-    ref64_backward(&s, q, k, v, dout, rq, rk, rv);
-    double e = ref_maxdiff_fd(o, ro, nq);
-    double e2 = ref_maxdiff_fd(lse, rl, nl);
-    if (!(e2 <= e)) e = e2;
-    e2 = ref_maxdiff_fd(dq, rq, nq);
-    if (!(e2 <= e)) e = e2;
-    e2 = ref_maxdiff_fd(dk, rk, nk);
-    if (!(e2 <= e)) e = e2;
-    e2 = ref_maxdiff_fd(dv, rv, nk);
-    if (!(e2 <= e)) e = e2;
-    free(q), free(k), free(v), free(dout), free(o), free(lse), free(dq), free(dk), free(dv);
+    ref64_forward(ac, x.q, x.k, x.v, ro, rl);
+    ref64_backward(ac, x.q, x.k, x.v, x.dout, rq, rk, rv);
+    double e = fmax(fmax(ref_maxdiff_fd(x.o, ro, nq), ref_maxdiff_fd(x.lse, rl, nl)),
+                    fmax(ref_maxdiff_fd(x.dq, rq, nq),
+                         fmax(ref_maxdiff_fd(x.dk, rk, nk), ref_maxdiff_fd(x.dv, rv, nk))));
+    free(x.q), free(x.k), free(x.v), free(x.dout), free(x.o), free(x.lse), free(x.dq);
+    free(x.dk), free(x.dv);
     free(ro), free(rl), free(rq), free(rk), free(rv);
     return e;
 }
 
 TEST(cpu_attention_matches_fp64_for_sq_not_equal_sk_and_gqa) {
-    static const attn_case acs[] = {
-        {1, 5, 9, 2, 2, 8, 1},   /* Sq < Sk: bottom-right causal keeps more keys */
-        {2, 9, 5, 4, 2, 8, 1},   /* Sq > Sk: rows 0..3 keep no key */
-        {1, 7, 7, 8, 1, 16, 1},  /* MQA */
-        {2, 6, 11, 6, 3, 8, 0},  /* GQA, not causal */
-        {1, 3, 1, 1, 1, 8, 1},   /* one key: only the last row keeps it */
+    static const ref_shape acs[] = { /* B, Sq, Sk, H, Hkv, D, causal, scale */
+        {1, 5, 9, 2, 2, 8, 1, 0},   /* Sq < Sk: bottom-right causal keeps more keys */
+        {2, 9, 5, 4, 2, 8, 1, 0},   /* Sq > Sk: rows 0..3 keep no key */
+        {1, 7, 7, 8, 1, 16, 1, 0},  /* MQA */
+        {2, 6, 11, 6, 3, 8, 0, 0},  /* GQA, not causal */
+        {1, 3, 1, 1, 1, 8, 1, 0},   /* one key: only the last row keeps it */
     };
     for (size_t i = 0; i < sizeof acs / sizeof *acs; i++) {
         int code = -1;
@@ -289,31 +265,15 @@ TEST(cpu_attention_matches_fp64_for_sq_not_equal_sk_and_gqa) {
 TEST(a_row_with_no_key_kept_outputs_zero_and_lse_inf_and_no_nan) {
     /* Sq = 4, Sk = 2, causal: rows 0 and 1 keep j <= i - 2, nothing. */
     enum { B = 1, Sq = 4, Sk = 2, H = 2, D = 8 };
+    static const ref_shape ac = {B, Sq, Sk, H, H, D, 1, 0};
     float q[B * Sq * H * D], k[B * Sk * H * D], v[B * Sk * H * D], dout[B * Sq * H * D];
     float o[B * Sq * H * D], lse[B * H * Sq], dq[B * Sq * H * D], dk[B * Sk * H * D],
         dv[B * Sk * H * D];
     ref_fill(q, B * Sq * H * D, 5), ref_fill(k, B * Sk * H * D, 6), ref_fill(v, B * Sk * H * D, 7);
     ref_fill(dout, B * Sq * H * D, 8);
-    uly_attn attn = uly_cpu_attention();
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = uly_dense(q, ULY_F32, B, Sq, H, D);
-    a.k = uly_dense(k, ULY_F32, B, Sk, H, D);
-    a.v = uly_dense(v, ULY_F32, B, Sk, H, D);
-    a.o = uly_dense(o, ULY_F32, B, Sq, H, D);
-    a.dout = uly_dense(dout, ULY_F32, B, Sq, H, D);
-    a.dq = uly_dense(dq, ULY_F32, B, Sq, H, D);
-    a.dk = uly_dense(dk, ULY_F32, B, Sk, H, D);
-    a.dv = uly_dense(dv, ULY_F32, B, Sk, H, D);
-    a.lse = lse;
-    a.causal = 1;
-    int64_t ws = attn.workspace ? attn.workspace(attn.ctx, &a) : 0;
-    a.workspace = malloc((size_t)(ws > 0 ? ws : 1));
-    uly_status st = attn.fwd(attn.ctx, &a);
-    CHECK(st.code == ULY_OK, "fwd: %s", st.msg);
-    st = attn.bwd(attn.ctx, &a);
-    CHECK(st.code == ULY_OK, "bwd: %s", st.msg);
-    free(a.workspace);
+    attn_bufs x = {q, k, v, o, lse, dout, dq, dk, dv};
+    uly_status st = attn_run(attn_args(&ac, &x), 1);
+    CHECK(st.code == ULY_OK, "fwd and bwd: %s", st.msg);
     for (int h = 0; h < H; h++)
         for (int i = 0; i < 2; i++) {
             CHECK(isinf(lse[h * Sq + i]) && lse[h * Sq + i] > 0, "lse[h%d, row %d] = %g", h, i,
@@ -335,36 +295,24 @@ TEST(q_head0_maps_a_head_slice_to_the_kv_heads_of_its_global_group) {
     /* H = 6, Hkv = 2 (g = 3). Heads [2, 4) of q use kv heads 0 and 1; run them alone with
        q_head0 = 2 and the kv slice [0, 2), and compare with the same heads of a full run. */
     enum { B = 2, S = 7, H = 6, HKV = 2, D = 8 };
+    static const ref_shape ac = {B, S, S, H, HKV, D, 1, 0};
     static float q[B * S * H * D], k[B * S * HKV * D], v[B * S * HKV * D];
     static float o_full[B * S * H * D], lse_full[B * H * S], o_part[B * S * H * D],
         lse_part[B * 2 * S];
     ref_fill(q, B * S * H * D, 11), ref_fill(k, B * S * HKV * D, 12), ref_fill(v, B * S * HKV * D, 13);
     sp_fill_nan(o_part, B * S * H * D);
-    uly_attn attn = uly_cpu_attention();
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = uly_dense(q, ULY_F32, B, S, H, D);
-    a.k = uly_dense(k, ULY_F32, B, S, HKV, D);
-    a.v = uly_dense(v, ULY_F32, B, S, HKV, D);
-    a.o = uly_dense(o_full, ULY_F32, B, S, H, D);
-    a.lse = lse_full;
-    a.causal = 1;
-    int64_t ws = attn.workspace ? attn.workspace(attn.ctx, &a) : 0;
-    a.workspace = malloc((size_t)(ws > 0 ? ws : 1));
-    uly_status st = attn.fwd(attn.ctx, &a);
+    attn_bufs full = {q, k, v, o_full, lse_full, NULL, NULL, NULL, NULL};
+    uly_attn_args a = attn_args(&ac, &full);
+    uly_status st = attn_run(a, 0);
     CHECK(st.code == ULY_OK, "full: %s", st.msg);
-    free(a.workspace);
 
-    a.q = uly_head_slice(uly_dense(q, ULY_F32, B, S, H, D), 2, 2);
+    a.q = uly_head_slice(a.q, 2, 2);
     a.o = uly_head_slice(uly_dense(o_part, ULY_F32, B, S, H, D), 2, 2);
     a.lse = lse_part;
     a.q_head0 = 2;
     a.kv_group = 3;
-    ws = attn.workspace ? attn.workspace(attn.ctx, &a) : 0;
-    a.workspace = malloc((size_t)(ws > 0 ? ws : 1));
-    st = attn.fwd(attn.ctx, &a);
+    st = attn_run(a, 0);
     CHECK(st.code == ULY_OK, "slice: %s", st.msg);
-    free(a.workspace);
     int64_t nd = 0;
     for (int b = 0; b < B; b++)
         for (int s = 0; s < S; s++) {
