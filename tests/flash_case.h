@@ -356,7 +356,7 @@ static void check_outputs(const fcase &c, const run_out &got, const outputs &r64
 }
 
 /* One dense case against ref64, lowp and cpu; returns the kernel's outputs. */
-static run_out check_case(const fcase &c) {
+static inline run_out check_case(const fcase &c) {
     const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
     const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
     const run_out got = run_attn(c, cq, ck, false, in, uly_flash_attention());
@@ -378,7 +378,7 @@ static const struct shape {
     {2, 128, 128, 2, 1, 0}, {1, 129, 64, 2, 2, 1}, {1, 17, 129, 1, 1, 0}, {1, 129, 129, 2, 1, 1},
 };
 
-static fcase make_case(const shape &s, int64_t D, uly_dtype dt) {
+static inline fcase make_case(const shape &s, int64_t D, uly_dtype dt) {
     fcase c;
     memset(&c, 0, sizeof c);
     c.B = s.B, c.Sq = s.Sq, c.Sk = s.Sk, c.H = s.H, c.Hkv = s.Hkv, c.D = D, c.causal = s.causal;

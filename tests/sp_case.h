@@ -186,4 +186,26 @@ static inline uly_status sp_run_rank(const uly_comm *comm, int world_size, int r
     return st;
 }
 
+/* Runs the layer on c->P threads of uly_local_run (the CPU layer of ulysses.h) and gathers the
+   shards into f. The first error of the run or of a rank. */
+typedef struct sp__local_job {
+    const sp_case *c;
+    sp_full *f;
+    uly_status st[ULY_MAX_SP];
+} sp__local_job;
+
+static inline void sp__local_rank(const uly_comm *comm, void *user) {
+    sp__local_job *j = (sp__local_job *)user;
+    j->st[comm->rank] = sp_run_rank(comm, j->c->P, comm->rank, j->c, j->f);
+}
+
+static inline uly_status sp_run_local(const sp_case *c, sp_full *f) {
+    sp__local_job j;
+    memset(&j, 0, sizeof j);
+    j.c = c, j.f = f;
+    uly_status st = uly_local_run(c->P, sp__local_rank, &j);
+    for (int r = 0; r < c->P && !st.code; r++) st = j.st[r];
+    return st;
+}
+
 #endif

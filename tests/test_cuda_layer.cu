@@ -1,6 +1,6 @@
 /* test_cuda_layer.cu - the SP attention layer on the GPU: ulysses.h's driver with
-   uly_cuda_layout, the device-local communicator (P virtual ranks on one GPU) and
-   uly_cuda_reference_attention.
+   uly_cuda_layout, the device-local communicator (P virtual ranks on one GPU), and
+   uly_cuda_reference_attention or uly_flash_attention.
 
    - The reference attention agrees with uly_cpu_attention (fp32 within 2e-6; bf16 and f16
      against the CPU on the same rounded inputs, within their rounding), including Sq != Sk,
@@ -10,6 +10,12 @@
      within one rounding of it (the gradient copies of a split GQA group are summed in another
      order), and in fp32 it agrees with the unsharded CPU reference within 2e-6. Errors are
      relative: |got - want| / (1 + |want|).
+   - The layer with the flash kernel over P = 1..4, bf16 and f16, D = 64 and 128, causal or
+     not, MHA, MQA and GQA groups split across ranks, B > 1: out and lse are bit-identical to
+     uly_flash_attention run unsharded; so are dQ, dK, dV in deterministic mode, and dK, dV
+     with atomics, except where a split group's gradient copies are summed (within one ulp).
+     Against the CPU fp32 layer (uly_cpu_attention over uly_cpu_layout, the same inputs
+     widened) and fp64 it meets test_flash's accuracy rule.
    - The device-local communicator on its own: bytes land where the counts say, allreduce sums
      host or device memory, and mismatched counts are an error on every rank, not a hang.
    - Bad input to the layer is a named error.
@@ -20,8 +26,9 @@
 #include "check.h"
 #include "ref64.h"
 #include "sp_case.h"
+#include "flash_case.h"
 
-static const char *const outputs[] = {"out", "lse", "dq", "dk", "dv"};
+static const char *const output_names[] = {"out", "lse", "dq", "dk", "dv"};
 
 static const char *dtype_name(uly_dtype t) {
     return t == ULY_F32 ? "f32" : t == ULY_BF16 ? "bf16" : "f16";
@@ -29,12 +36,6 @@ static const char *dtype_name(uly_dtype t) {
 
 /* ---------------------------------------------------------------------------------------------
    Host floats <-> device tensors of any dtype */
-
-static float round_to(uly_dtype t, float x) {
-    if (t == ULY_BF16) return __bfloat162float(__float2bfloat16_rn(x));
-    if (t == ULY_F16) return __half2float(__float2half_rn(x));
-    return x;
-}
 
 static void round_all(float *x, int64_t n, uly_dtype t) {
     for (int64_t i = 0; i < n; i++) x[i] = round_to(t, x[i]);
@@ -148,7 +149,7 @@ static void check_attention(sp_case c, uly_dtype t, double tol) {
                    maxdiff(g.dv, cpu.dv, sp_nkv(&c))};
     for (int i = 0; i < 5; i++)
         CHECK(e[i] <= tol, "%s " SP_CASE_FMT ": %s differs by %g (tol %g)", dtype_name(t),
-              SP_CASE_ARGS(&c), outputs[i], e[i], tol);
+              SP_CASE_ARGS(&c), output_names[i], e[i], tol);
     sp_free(&g);
     sp_free(&cpu);
 }
@@ -234,12 +235,17 @@ TEST(reference_attention_maps_a_group_split_at_q_head0) {
 typedef struct job {
     const sp_case *c;
     uly_dtype t;
+    uly_attn attn;     /* the reference or the flash attention */
+    int deterministic;
     sp_full *f;
     uly_status st[8];
 } job;
 
 /* Like sp_run_rank (sp_case.h), with every buffer on the device in dtype t. */
-static uly_status gpu_run_rank(const uly_comm *comm, const sp_case *c, uly_dtype t, sp_full *f) {
+static uly_status gpu_run_rank(const uly_comm *comm, const job *j) {
+    const sp_case *c = j->c;
+    const uly_dtype t = j->t;
+    sp_full *f = j->f;
     uly_plan plan;
     uly_plan_desc d;
     memset(&d, 0, sizeof d);
@@ -281,10 +287,11 @@ static uly_status gpu_run_rank(const uly_comm *comm, const sp_case *c, uly_dtype
     memset(&L, 0, sizeof L);
     L.plan = &plan;
     L.comm = comm;
-    L.attn = uly_cuda_reference_attention();
+    L.attn = j->attn;
     L.layout = uly_cuda_layout();
     L.softmax_scale = c->scale;
     L.causal = c->causal;
+    L.deterministic = j->deterministic;
     cudaStream_t stream;
     cudaStreamCreate(&stream);
     L.stream = stream;
@@ -323,7 +330,7 @@ static uly_status gpu_run_rank(const uly_comm *comm, const sp_case *c, uly_dtype
 
 static void rank_main(const uly_comm *comm, void *user) {
     job *j = (job *)user;
-    j->st[comm->rank] = gpu_run_rank(comm, j->c, j->t, j->f);
+    j->st[comm->rank] = gpu_run_rank(comm, j);
 }
 
 /* The layer on P virtual ranks against the attention run unsharded on the GPU, and in f32
@@ -337,7 +344,7 @@ static void check_layer(const sp_case *c, uly_dtype t) {
     }
     job j;
     memset(&j, 0, sizeof j);
-    j.c = c, j.t = t, j.f = &layer;
+    j.c = c, j.t = t, j.f = &layer, j.attn = uly_cuda_reference_attention();
     uly_status st = uly_cuda_local_run(c->P, rank_main, &j);
     for (int r = 0; r < c->P && !st.code; r++) st = j.st[r];
     uly_status ws = gpu_attention(c, t, &whole, 1);
@@ -356,7 +363,7 @@ static void check_layer(const sp_case *c, uly_dtype t) {
                        maxdiff(layer.dv, whole.dv, sp_nkv(c))};
         for (int i = 0; i < 3; i++)
             CHECK(e[i] <= tol, "%s " SP_CASE_FMT ": %s differs from unsharded by %g", dtype_name(t),
-                  SP_CASE_ARGS(c), outputs[2 + i], e[i]);
+                  SP_CASE_ARGS(c), output_names[2 + i], e[i]);
     }
     if (t == ULY_F32) {
         uly_status cs = sp_cpu_reference(c, &cpu);
@@ -367,7 +374,7 @@ static void check_layer(const sp_case *c, uly_dtype t) {
         CHECK(!cs.code, "cpu: %s", cs.msg);
         for (int i = 0; i < 5; i++)
             CHECK(e[i] <= 2e-6, "f32 " SP_CASE_FMT ": %s differs from the CPU reference by %g",
-                  SP_CASE_ARGS(c), outputs[i], e[i]);
+                  SP_CASE_ARGS(c), output_names[i], e[i]);
     }
 done:
     sp_free(&layer), sp_free(&whole), sp_free(&cpu);
@@ -398,6 +405,120 @@ TEST(layer_bf16_matches_unsharded) {
 TEST(layer_f16_matches_unsharded) {
     for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_F16);
 }
+
+/* ---------------------------------------------------------------------------------------------
+   The layer with the flash kernel
+
+   The flash forward is one block per (batch, head, query block) and reads only its head's kv
+   head, so giving each rank a slice of the heads cannot change a bit: out and lse equal
+   uly_flash_attention run unsharded on the full tensors. Its backward sums dK and dV over the
+   query heads of a GQA group in registers, in head order; when a group is split across ranks,
+   each rank's share is rounded to the dtype and the DKV unpack sums the copies in fp32, which
+   rounds once more (one ulp of slack, relative as above). dQ is bitwise in deterministic mode;
+   with atomics its fp32 sum over key blocks runs in any order (one ulp again). Against the CPU
+   fp32 reference layer (uly_cpu_attention over uly_cpu_layout, on the same inputs widened to
+   fp32) and fp64, the layer meets the accuracy rule of test_flash (flash_case.h). */
+
+/* Whether the query heads of some kv head live on more than one rank. */
+static int kv_head_split(const sp_case *c) {
+    uly_plan plan;
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = d.sp_size = c->P, d.batch = c->B, d.seq_len = c->S, d.n_heads = c->H;
+    d.n_kv_heads = c->Hkv, d.head_dim = c->D, d.dtype = ULY_BF16;
+    if (uly_plan_init(&plan, &d).code) return 1;
+    const int64_t g = c->H / c->Hkv;
+    for (int r = 0; r < c->P; r++) {
+        uly_range h = uly_heads(&plan, r);
+        if (h.count && (h.start % g || (h.start + h.count) % g)) return 1;
+    }
+    return 0;
+}
+
+static fvec as_fvec(const float *x, int64_t n) { return fvec(x, x + n); }
+static dvec as_dvec(const float *x, int64_t n) { return dvec(x, x + n); }
+
+static void check_flash_layer(const sp_case *c, uly_dtype t, int deterministic) {
+    sp_full layer = sp_alloc(c, 11), cpu = sp_alloc(c, 11);
+    sp_full *all[2] = {&layer, &cpu};
+    for (int i = 0; i < 2; i++) {
+        round_all(all[i]->q, sp_nq(c), t), round_all(all[i]->k, sp_nkv(c), t);
+        round_all(all[i]->v, sp_nkv(c), t), round_all(all[i]->dout, sp_nq(c), t);
+    }
+    job j;
+    memset(&j, 0, sizeof j);
+    j.c = c, j.t = t, j.f = &layer, j.attn = uly_flash_attention(), j.deterministic = deterministic;
+    uly_status st = uly_cuda_local_run(c->P, rank_main, &j);
+    for (int r = 0; r < c->P && !st.code; r++) st = j.st[r];
+    uly_status cs = sp_run_local(c, &cpu);
+    CHECK(!st.code && !cs.code, "%s " SP_CASE_FMT ": flash layer '%s', cpu layer '%s'",
+          dtype_name(t), SP_CASE_ARGS(c), st.msg, cs.msg);
+
+    fcase fc; /* the same attention for flash_case.h: unsharded flash, fp64 and plain references */
+    memset(&fc, 0, sizeof fc);
+    fc.B = c->B, fc.Sq = fc.Sk = c->S, fc.H = c->H, fc.Hkv = c->Hkv, fc.D = c->D;
+    fc.causal = c->causal, fc.dt = t, fc.deterministic = deterministic;
+    inputs in;
+    in.q = as_fvec(layer.q, sp_nq(c)), in.k = as_fvec(layer.k, sp_nkv(c));
+    in.v = as_fvec(layer.v, sp_nkv(c)), in.dout = as_fvec(layer.dout, sp_nq(c));
+    const std::vector<int> cu = dense_cu(c->B, c->S);
+    const run_out whole = run_attn(fc, cu, cu, false, in, uly_flash_attention());
+    if (st.code || cs.code || !whole.ok) goto done;
+    {
+        const int64_t n[5] = {sp_nq(c), sp_nlse(c), sp_nq(c), sp_nkv(c), sp_nkv(c)};
+        const float *got[5] = {layer.out, layer.lse, layer.dq, layer.dk, layer.dv};
+        const float *want[5] = {whole.o.data(), whole.lse.data(), whole.dq.data(),
+                                whole.dk.data(), whole.dv.data()};
+        const int split = kv_head_split(c);
+        const int bitwise[5] = {1, 1, deterministic, !split, !split};
+        const double ulp = t == ULY_BF16 ? 0x1p-7 : 0x1p-10;
+        for (int i = 0; i < 5; i++) {
+            const int64_t bits = ref_bitdiff(got[i], want[i], n[i]);
+            const double e = maxdiff(got[i], want[i], n[i]);
+            CHECK(bitwise[i] ? bits == 0 : e <= ulp,
+                  "%s%s " SP_CASE_FMT ": %s differs from unsharded flash in %lld values, by %g",
+                  dtype_name(t), deterministic ? " deterministic" : "", SP_CASE_ARGS(c),
+                  output_names[i], (long long)bits, e);
+        }
+    }
+    if (!deterministic) { /* test_flash checks the deterministic kernels' accuracy */
+        run_out got;
+        got.ok = true;
+        got.o = as_fvec(layer.out, sp_nq(c)), got.lse = as_fvec(layer.lse, sp_nlse(c));
+        got.dq = as_fvec(layer.dq, sp_nq(c)), got.dk = as_fvec(layer.dk, sp_nkv(c));
+        got.dv = as_fvec(layer.dv, sp_nkv(c));
+        outputs ref;
+        ref.o = as_dvec(cpu.out, sp_nq(c)), ref.lse = as_dvec(cpu.lse, sp_nlse(c));
+        ref.dq = as_dvec(cpu.dq, sp_nq(c)), ref.dk = as_dvec(cpu.dk, sp_nkv(c));
+        ref.dv = as_dvec(cpu.dv, sp_nkv(c));
+        const outputs r64 = reference(fc, cu, cu, false, in, false);
+        const outputs low = reference(fc, cu, cu, false, in, true);
+        check_outputs(fc, got, r64, low, &ref);
+    }
+done:
+    sp_free(&layer), sp_free(&cpu);
+}
+
+/* P, B, S, H, Hkv, D, causal, fused, scale (0: flash_case.h's references take 1/sqrt(D)) */
+static const sp_case flash_cases[] = {
+    {1, 2, 64, 2, 1, 64, 1, 0, 0},    /* one rank, MQA, B = 2 */
+    {2, 1, 129, 4, 2, 128, 0, 1, 0},  /* uneven S, fused QKV, each group on one rank */
+    {2, 2, 100, 4, 4, 64, 1, 0, 0},   /* MHA, B = 2 */
+    {3, 2, 77, 6, 2, 64, 1, 1, 0},    /* g = 3 over H_r = 2: a group split across ranks */
+    {3, 1, 150, 3, 3, 128, 1, 0, 0},  /* one head per rank */
+    {4, 2, 67, 6, 2, 64, 1, 0, 0},    /* H_r = 2, 2, 1, 1: both groups split */
+    {4, 1, 200, 8, 2, 128, 0, 1, 0},  /* Hkv < P: replicated kv heads, summed gradients */
+    {4, 2, 64, 4, 4, 128, 1, 1, 0},   /* MHA, one head per rank, B = 2 */
+};
+
+static void flash_matrix(uly_dtype t, int deterministic) {
+    for (const sp_case &c : flash_cases) check_flash_layer(&c, t, deterministic);
+}
+
+TEST(flash_layer_bf16_matches_unsharded_flash_and_cpu_layer) { flash_matrix(ULY_BF16, 0); }
+TEST(flash_layer_f16_matches_unsharded_flash_and_cpu_layer) { flash_matrix(ULY_F16, 0); }
+TEST(flash_layer_deterministic_bf16_is_bitwise_unsharded) { flash_matrix(ULY_BF16, 1); }
+TEST(flash_layer_deterministic_f16_is_bitwise_unsharded) { flash_matrix(ULY_F16, 1); }
 
 /* ---------------------------------------------------------------------------------------------
    The device-local communicator on its own */
