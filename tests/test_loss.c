@@ -12,18 +12,17 @@
 
 enum { IGNORE = -100 };
 
+/* The plan of rank `rank` of an SP group of P ranks for a [B, S] batch (the heads do not
+   matter here). */
+static uly_status plan_of(uly_plan *p, int P, int rank, int64_t B, int64_t S) {
+    uly_plan_desc d = {.world_size = P, .rank = rank, .sp_size = P, .batch = B, .seq_len = S,
+                       .n_heads = 8, .head_dim = 8};
+    return uly_plan_init(p, &d);
+}
+
 static uly_plan make_plan(int P, int rank, int64_t B, int64_t S) {
     uly_plan p;
-    uly_plan_desc d;
-    memset(&d, 0, sizeof d);
-    d.world_size = P;
-    d.rank = rank;
-    d.sp_size = P;
-    d.batch = B;
-    d.seq_len = S;
-    d.n_heads = 8;
-    d.head_dim = 8;
-    uly_status st = uly_plan_init(&p, &d);
+    uly_status st = plan_of(&p, P, rank, B, S);
     CHECK(st.code == ULY_OK, "plan P=%d B=%lld S=%lld: %s", P, (long long)B, (long long)S, st.msg);
     return p;
 }
@@ -178,61 +177,66 @@ TEST(dlogits_match_central_finite_differences_of_the_fp64_loss) {
 /* ---------------------------------------------------------------------------------------------
    Shards */
 
+/* Rank r of P's shard of a [B, S] batch: its plan, and by the formula its Sr tokens from s0. */
+typedef struct shard {
+    uly_plan p;
+    int P, r;
+    int64_t B, S, Sr, s0;
+} shard;
+
+enum { MAX_B = 3, MAX_S = 17 };
+
+/* Calls check on every shard of a [B, S] batch for P from 1 to 5 and B from 1 to MAX_B. */
+static void each_shard(int64_t S, void (*check)(const shard *sh)) {
+    for (int P = 1; P <= 5; P++)
+        for (int64_t B = 1; B <= MAX_B; B++)
+            for (int r = 0; r < P; r++) {
+                shard sh = {make_plan(P, r, B, S), P, r, B, S, S / P + (r < S % P),
+                            r * (S / P) + (r < S % P ? r : S % P)};
+                check(&sh);
+            }
+}
+
+static void tokens_of(const shard *sh) {
+    int32_t full[MAX_B * MAX_S], local[MAX_B * MAX_S];
+    for (int i = 0; i < sh->B * sh->S; i++) full[i] = 1000 + i * 7;
+    uly_shard_tokens(&sh->p, full, local);
+    for (int64_t b = 0; b < sh->B; b++)
+        for (int64_t i = 0; i < sh->Sr; i++)
+            CHECK(local[b * sh->Sr + i] == full[b * sh->S + sh->s0 + i],
+                  "P=%d B=%lld rank %d b %lld i %lld", sh->P, (long long)sh->B, sh->r,
+                  (long long)b, (long long)i);
+}
 TEST(shard_tokens_gives_rank_r_the_tokens_s0_to_s0_plus_Sr_of_every_sample) {
-    for (int P = 1; P <= 5; P++)
-        for (int64_t B = 1; B <= 3; B++) {
-            int64_t S = 13;
-            int32_t full[3 * 13], local[3 * 13];
-            for (int i = 0; i < B * S; i++) full[i] = 1000 + i * 7;
-            for (int r = 0; r < P; r++) {
-                uly_plan p = make_plan(P, r, B, S);
-                int64_t Sr = S / P + (r < S % P), s0 = r * (S / P) + (r < S % P ? r : S % P);
-                uly_shard_tokens(&p, full, local);
-                for (int64_t b = 0; b < B; b++)
-                    for (int64_t i = 0; i < Sr; i++)
-                        CHECK(local[b * Sr + i] == full[b * S + s0 + i], "P=%d B=%lld rank %d b %lld i %lld",
-                              P, (long long)B, r, (long long)b, (long long)i);
-            }
-        }
+    each_shard(13, tokens_of);
 }
 
+static void labels_of(const shard *sh) {
+    int32_t full[MAX_B * MAX_S], labels[MAX_B * MAX_S];
+    for (int i = 0; i < sh->B * sh->S; i++) full[i] = 500 + i * 3;
+    uly_shard_labels(&sh->p, full, IGNORE, labels);
+    for (int64_t b = 0; b < sh->B; b++)
+        for (int64_t i = 0; i < sh->Sr; i++) {
+            int64_t t = sh->s0 + i;
+            int32_t want = t == sh->S - 1 ? IGNORE : full[b * sh->S + t + 1];
+            CHECK(labels[b * sh->Sr + i] == want, "P=%d B=%lld rank %d token %lld: %d want %d",
+                  sh->P, (long long)sh->B, sh->r, (long long)t, labels[b * sh->Sr + i], want);
+        }
+}
 TEST(shard_labels_shift_over_the_full_sequence_and_ignore_the_last_token) {
-    for (int P = 1; P <= 5; P++)
-        for (int64_t B = 1; B <= 3; B++) {
-            int64_t S = 11;
-            int32_t full[3 * 11], labels[3 * 11];
-            for (int i = 0; i < B * S; i++) full[i] = 500 + i * 3;
-            for (int r = 0; r < P; r++) {
-                uly_plan p = make_plan(P, r, B, S);
-                int64_t Sr = S / P + (r < S % P), s0 = r * (S / P) + (r < S % P ? r : S % P);
-                uly_shard_labels(&p, full, IGNORE, labels);
-                for (int64_t b = 0; b < B; b++)
-                    for (int64_t i = 0; i < Sr; i++) {
-                        int64_t t = s0 + i;
-                        int32_t want = t == S - 1 ? IGNORE : full[b * S + t + 1];
-                        CHECK(labels[b * Sr + i] == want, "P=%d B=%lld rank %d token %lld: %d want %d",
-                              P, (long long)B, r, (long long)t, labels[b * Sr + i], want);
-                    }
-            }
-        }
+    each_shard(11, labels_of);
 }
 
-TEST(positions_are_the_global_token_indices_of_the_shard) {
-    for (int P = 1; P <= 5; P++)
-        for (int64_t B = 1; B <= 3; B++) {
-            int64_t S = 17;
-            int32_t pos[3 * 17];
-            for (int r = 0; r < P; r++) {
-                uly_plan p = make_plan(P, r, B, S);
-                int64_t Sr = S / P + (r < S % P), s0 = r * (S / P) + (r < S % P ? r : S % P);
-                uly_positions(&p, pos);
-                for (int64_t b = 0; b < B; b++)
-                    for (int64_t i = 0; i < Sr; i++)
-                        CHECK(pos[b * Sr + i] == s0 + i, "P=%d B=%lld rank %d: pos[%lld] = %d",
-                              P, (long long)B, r, (long long)(b * Sr + i), pos[b * Sr + i]);
-            }
-        }
+static void positions_of(const shard *sh) {
+    int32_t pos[MAX_B * MAX_S];
+    uly_positions(&sh->p, pos);
+    for (int64_t b = 0; b < sh->B; b++)
+        for (int64_t i = 0; i < sh->Sr; i++)
+            CHECK(pos[b * sh->Sr + i] == sh->s0 + i, "P=%d B=%lld rank %d: pos[%lld] = %d",
+                  sh->P, (long long)sh->B, sh->r, (long long)(b * sh->Sr + i),
+                  pos[b * sh->Sr + i]);
 }
+TEST(positions_are_the_global_token_indices_of_the_shard) { each_shard(17, positions_of); }
 
 /* ---------------------------------------------------------------------------------------------
    The loss over an SP group: every rank shards the same batch, adds its tokens' losses, and one
@@ -254,16 +258,7 @@ static void loss_rank(const uly_comm *comm, void *user) {
     loss_job *j = (loss_job *)user;
     int r = comm->rank;
     uly_plan p;
-    uly_plan_desc d;
-    memset(&d, 0, sizeof d);
-    d.world_size = j->P;
-    d.rank = r;
-    d.sp_size = j->P;
-    d.batch = LB;
-    d.seq_len = LS;
-    d.n_heads = 8;
-    d.head_dim = 8;
-    j->st[r] = uly_plan_init(&p, &d);
+    j->st[r] = plan_of(&p, j->P, r, LB, LS);
     if (j->st[r].code) return;
     uly_range tok = uly_tokens(&p, r);
     int64_t Sr = tok.count;
