@@ -1640,45 +1640,56 @@ static uly_status uly__attend(const uly_layer *l, const uly_attn_args *a, int ba
     return st;
 }
 
-ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
-                              uly_tensor out, void *saved) {
+/* A forward or backward under way: the head-layout views in `saved`, the scratch, and the
+   attention's arguments. */
+typedef struct uly__pass {
     uly__heads h;
     uly__work w;
-    ULY__TRY(uly__check_layer(l, 0, saved));
+    uly_attn_args a;
+} uly__pass;
+
+/* Checks the layer, saved and the four sequence-layout tensors t of a forward (q, k, v, out) or
+   backward (dout, dq, dk, dv), each against the exchange it goes through, then lays out s. */
+static uly_status uly__begin(const uly_layer *l, int backward, void *saved,
+                             const char *const names[4], const uly_tensor t[4], uly__pass *s) {
+    static const uly_xchg fwd[4] = {ULY_X_Q, ULY_X_KV, ULY_X_KV, ULY_X_O};
+    static const uly_xchg bwd[4] = {ULY_X_Q, ULY_X_O, ULY_X_DKV, ULY_X_DKV};
+    ULY__TRY(uly__check_layer(l, backward, saved));
     const uly_plan *p = l->plan;
-    ULY__TRY(uly__check_like("q", q, uly__seq_layout(p, ULY_X_Q, NULL)));
-    ULY__TRY(uly__check_like("k", k, uly__seq_layout(p, ULY_X_KV, NULL)));
-    ULY__TRY(uly__check_like("v", v, uly__seq_layout(p, ULY_X_KV, NULL)));
-    ULY__TRY(uly__check_like("out", out, uly__seq_layout(p, ULY_X_O, NULL)));
-    uly__heads_at(p, saved, &h);
-    uly__work_at(p, l->workspace, &w);
-    uly_attn_args a = uly__args(l, &h, uly_saved_lse(p, saved), NULL, w.attn);
-    ULY__TRY(uly__exchange(l, ULY_X_Q, q, h.q, &w));
-    ULY__TRY(uly__exchange(l, ULY_X_KV, k, h.k, &w));
-    ULY__TRY(uly__exchange(l, ULY_X_KV, v, h.v, &w));
-    ULY__TRY(uly__attend(l, &a, 0));
-    return uly__exchange(l, ULY_X_O, h.o, out, &w);
+    for (int i = 0; i < 4; i++)
+        ULY__TRY(uly__check_like(names[i], t[i],
+                                 uly__seq_layout(p, (backward ? bwd : fwd)[i], NULL)));
+    uly__heads_at(p, saved, &s->h);
+    uly__work_at(p, l->workspace, &s->w);
+    s->a = uly__args(l, &s->h, uly_saved_lse(p, saved), backward ? &s->w.grad : NULL,
+                     s->w.attn);
+    return uly__ok();
+}
+
+ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
+                              uly_tensor out, void *saved) {
+    static const char *const names[4] = {"q", "k", "v", "out"};
+    const uly_tensor t[4] = {q, k, v, out};
+    uly__pass s;
+    ULY__TRY(uly__begin(l, 0, saved, names, t, &s));
+    ULY__TRY(uly__exchange(l, ULY_X_Q, q, s.h.q, &s.w));
+    ULY__TRY(uly__exchange(l, ULY_X_KV, k, s.h.k, &s.w));
+    ULY__TRY(uly__exchange(l, ULY_X_KV, v, s.h.v, &s.w));
+    ULY__TRY(uly__attend(l, &s.a, 0));
+    return uly__exchange(l, ULY_X_O, s.h.o, out, &s.w);
 }
 
 ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *saved,
                                uly_tensor dq, uly_tensor dk, uly_tensor dv) {
-    uly__heads h;
-    uly__work w;
-    ULY__TRY(uly__check_layer(l, 1, saved));
-    const uly_plan *p = l->plan;
-    void *kept = (void *)saved; /* only read */
-    ULY__TRY(uly__check_like("dout", dout, uly__seq_layout(p, ULY_X_Q, NULL)));
-    ULY__TRY(uly__check_like("dq", dq, uly__seq_layout(p, ULY_X_O, NULL)));
-    ULY__TRY(uly__check_like("dk", dk, uly__seq_layout(p, ULY_X_DKV, NULL)));
-    ULY__TRY(uly__check_like("dv", dv, uly__seq_layout(p, ULY_X_DKV, NULL)));
-    uly__heads_at(p, kept, &h);
-    uly__work_at(p, l->workspace, &w);
-    uly_attn_args a = uly__args(l, &h, uly_saved_lse(p, kept), &w.grad, w.attn);
-    ULY__TRY(uly__exchange(l, ULY_X_Q, dout, w.grad.o, &w));
-    ULY__TRY(uly__attend(l, &a, 1));
-    ULY__TRY(uly__exchange(l, ULY_X_O, w.grad.q, dq, &w));
-    ULY__TRY(uly__exchange(l, ULY_X_DKV, w.grad.k, dk, &w));
-    return uly__exchange(l, ULY_X_DKV, w.grad.v, dv, &w);
+    static const char *const names[4] = {"dout", "dq", "dk", "dv"};
+    const uly_tensor t[4] = {dout, dq, dk, dv};
+    uly__pass s;
+    ULY__TRY(uly__begin(l, 1, (void *)saved /* only read */, names, t, &s));
+    ULY__TRY(uly__exchange(l, ULY_X_Q, dout, s.w.grad.o, &s.w));
+    ULY__TRY(uly__attend(l, &s.a, 1));
+    ULY__TRY(uly__exchange(l, ULY_X_O, s.w.grad.q, dq, &s.w));
+    ULY__TRY(uly__exchange(l, ULY_X_DKV, s.w.grad.k, dk, &s.w));
+    return uly__exchange(l, ULY_X_DKV, s.w.grad.v, dv, &s.w);
 }
 
 /* ---------------------------------------------------------------------------------------------
