@@ -73,11 +73,8 @@ static void rank_main(const uly_comm *comm, void *user) {
     memset(&t, 0, sizeof t);
     t.stream = s;
     for (int i = 0; i < MARKS; i++) CUDA_OK(cudaEventCreate(&t.ev[i]));
-    uly_layer L;
-    memset(&L, 0, sizeof L);
-    L.plan = &plan, L.comm = comm, L.causal = 1, L.stream = s;
-    L.attn = uly_flash_attention();
-    L.layout = uly_cuda_layout();
+    uly_layer L = uly_cuda_layer(&plan, comm, s);
+    L.causal = 1;
     if (comm->rank == 0) L.on_phase = mark, L.phase_user = &t;
     L.workspace_bytes = uly_layer_workspace(&L);
     void *saved;
