@@ -9,18 +9,9 @@
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
 
-#include <algorithm>
-#include <stdio.h>
-#include <vector>
+#include "bench_cuda.h"
 
-#define CUDA_OK(x)                                                                             \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                           \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include <string.h>
 
 static void kernel_info(const char *name, const void *fn, size_t dyn_smem) {
     cudaFuncAttributes at;
@@ -42,35 +33,6 @@ template <int D> static void kernel_table(void) {
     kernel_info(name, (const void *)uly__flash_bwd_q<T, D>, uly__fa_bwd_q_smem<D>());
 }
 
-__global__ void fill(__nv_bfloat16 *x, int64_t n, uint32_t seed) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-        x[i] = __float2bfloat16((float)(h & 0xffff) / 32768.f - 1.f);
-    }
-}
-
-/* Median milliseconds of fn over 10 runs after 2 warm-ups. */
-template <typename F> static double time_ms(F fn) {
-    cudaEvent_t a, b;
-    CUDA_OK(cudaEventCreate(&a));
-    CUDA_OK(cudaEventCreate(&b));
-    std::vector<float> ms;
-    for (int i = 0; i < 12; i++) {
-        CUDA_OK(cudaEventRecord(a));
-        fn();
-        CUDA_OK(cudaEventRecord(b));
-        CUDA_OK(cudaEventSynchronize(b));
-        float t;
-        CUDA_OK(cudaEventElapsedTime(&t, a, b));
-        if (i >= 2) ms.push_back(t);
-    }
-    cudaEventDestroy(a), cudaEventDestroy(b);
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
-
 int main(void) {
     kernel_table<64>();
     kernel_table<128>();
@@ -81,10 +43,7 @@ int main(void) {
             for (int64_t S = 1024; S <= 32768; S *= 2) {
                 const int64_t B = tokens / S, H = width / D, n = B * S * H * D;
                 std::vector<__nv_bfloat16 *> buf(8);
-                for (auto &p : buf) {
-                    CUDA_OK(cudaMalloc(&p, (size_t)n * 2));
-                    fill<<<1024, 256>>>(p, n, (uint32_t)(&p - buf.data()) * 977u + 1u);
-                }
+                for (uint32_t i = 0; i < 8; i++) buf[i] = bench_random(n, i * 977u + 1u, 0);
                 uly_attn_args a;
                 memset(&a, 0, sizeof a);
                 a.q = uly_dense(buf[0], ULY_BF16, B, S, H, D), a.k = a.q, a.v = a.q, a.o = a.q;
@@ -95,10 +54,10 @@ int main(void) {
                 CUDA_OK(cudaMalloc((void **)&a.lse, (size_t)(B * H * S) * 4));
                 const uly_attn fa = uly_flash_attention();
                 CUDA_OK(cudaMalloc(&a.workspace, (size_t)fa.workspace(fa.ctx, &a)));
-                uly_status st = fa.fwd(fa.ctx, &a);
-                if (st.code) fprintf(stderr, "forward: %s\n", st.msg), exit(1);
-                const double fwd = time_ms([&] { fa.fwd(fa.ctx, &a); });
-                const double bwd = time_ms([&] { fa.bwd(fa.ctx, &a); });
+                bench_ok(fa.fwd(fa.ctx, &a), "forward");
+                bench_ok(fa.bwd(fa.ctx, &a), "backward");
+                const double fwd = bench_median_ms(0, 2, 10, [&] { fa.fwd(fa.ctx, &a); });
+                const double bwd = bench_median_ms(0, 2, 10, [&] { fa.bwd(fa.ctx, &a); });
                 CUDA_OK(cudaGetLastError());
                 const double flops = 4.0 * B * S * S * H * D / (causal ? 2 : 1);
                 printf("ulysses,%lld,%d,%lld,%lld,%lld,%.3f,%.3f,%.1f,%.1f\n", (long long)D, causal,
