@@ -200,7 +200,7 @@ BENCH_BINS += $(BUILD)/bench_emu
 # ASan (make test), and on a GPU (make test-gpu). make test also builds them and the NCCL example
 # with nvcc for sm_80 and sm_90 (-Werror, -lnccl) and fails if a layout kernel spills.
 CUDA_HDRS  = ulysses.h ulysses_cuda.cuh tests/ref64.h \
-             tests/sp_case.h $(EMU_HDRS)
+             tests/sp_case.h tests/attn_call.h tests/flash_case.h $(EMU_HDRS)
 CUDA_TESTS = test_cuda_layout test_cuda_layer
 HAVE_NCCL := $(shell test -f $(CUDA_HOME)/include/nccl.h -o -f /usr/include/nccl.h && echo 1)
 NGPUS     := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
@@ -280,7 +280,7 @@ GPU_TESTS += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
 GPU_BINS  += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
 
 # TFLOP/s against PyTorch's SDPA, results under bench/ (bench/run_attn.sh says which files).
-$(BUILD)/gpu/bench_attn: bench/bench_attn.cu $(FLASH_HDRS)
+$(BUILD)/gpu/bench_attn: bench/bench_attn.cu bench/bench_cuda.h $(FLASH_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@
 GPU_BINS    += $(BUILD)/gpu/bench_attn

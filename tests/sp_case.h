@@ -14,6 +14,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "attn_call.h"
+
 typedef struct sp_case {
     int P;
     int64_t B, S, H, Hkv, D;
@@ -83,76 +85,91 @@ static inline void sp_copy_tokens(uly_tensor t, float *full, int64_t S, int64_t 
 
 /* The unsharded CPU reference: uly_cpu_attention forward and backward on the full tensors. */
 static inline uly_status sp_cpu_reference(const sp_case *c, sp_full *f) {
-    uly_attn attn = uly_cpu_attention();
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = uly_dense(f->q, ULY_F32, c->B, c->S, c->H, c->D);
-    a.k = uly_dense(f->k, ULY_F32, c->B, c->S, c->Hkv, c->D);
-    a.v = uly_dense(f->v, ULY_F32, c->B, c->S, c->Hkv, c->D);
-    a.o = uly_dense(f->out, ULY_F32, c->B, c->S, c->H, c->D);
-    a.lse = f->lse;
-    a.dout = uly_dense(f->dout, ULY_F32, c->B, c->S, c->H, c->D);
-    a.dq = uly_dense(f->dq, ULY_F32, c->B, c->S, c->H, c->D);
-    a.dk = uly_dense(f->dk, ULY_F32, c->B, c->S, c->Hkv, c->D);
-    a.dv = uly_dense(f->dv, ULY_F32, c->B, c->S, c->Hkv, c->D);
-    a.softmax_scale = c->scale;
-    a.causal = c->causal;
-    int64_t ws = attn.workspace ? attn.workspace(attn.ctx, &a) : 0;
-    a.workspace = malloc((size_t)(ws > 0 ? ws : 1));
-    uly_status st = attn.fwd(attn.ctx, &a);
-    if (!st.code) st = attn.bwd(attn.ctx, &a);
-    free(a.workspace);
-    return st;
+    const ref_shape s = {c->B, c->S, c->S, c->H, c->Hkv, c->D, c->causal, c->scale};
+    const attn_bufs x = {f->q, f->k, f->v, f->out, f->lse, f->dout, f->dq, f->dk, f->dv};
+    return attn_run(attn_args(&s, &x), 1);
+}
+
+/* The plan of case c for `rank` of a world of world_size ranks, in dtype t. */
+static inline uly_status sp_plan(const sp_case *c, int world_size, int rank, uly_dtype t,
+                                 uly_plan *plan) {
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = world_size, d.rank = rank, d.sp_size = c->P;
+    d.batch = c->B, d.seq_len = c->S, d.n_heads = c->H, d.n_kv_heads = c->Hkv;
+    d.head_dim = c->D, d.dtype = t;
+    return uly_plan_init(plan, &d);
+}
+
+/* One rank's sequence-layout tensors in fp32 host buffers (NaN until written): q, k, v and dq,
+   dk, dv as views into fused [B, S_r, H + 2*Hkv, D] buffers, or one after another in them. */
+typedef struct sp_shard {
+    uly_range tok, heads;              /* this rank's tokens and heads */
+    float *in, *grad, *out, *dout;     /* q k v, dq dk dv, out, dout */
+    uly_tensor q, k, v, o, dO, dq, dk, dv;
+} sp_shard;
+
+static inline sp_shard sp_shard_alloc(const sp_case *c, const uly_plan *plan) {
+    sp_shard s;
+    s.tok = uly_tokens(plan, plan->sp_rank), s.heads = uly_heads(plan, plan->sp_rank);
+    const int64_t B = c->B, Sr = s.tok.count, D = c->D, no = B * Sr * c->H * D;
+    const int64_t nkv = B * Sr * c->Hkv * D, nqkv = no + 2 * nkv;
+    s.in = ref_alloc_f(nqkv), s.grad = ref_alloc_f(nqkv);
+    s.out = ref_alloc_f(no), s.dout = ref_alloc_f(no);
+    sp_fill_nan(s.in, nqkv), sp_fill_nan(s.grad, nqkv), sp_fill_nan(s.out, no);
+    sp_fill_nan(s.dout, no);
+    if (c->fused) {
+        uly_qkv_views(s.in, ULY_F32, B, Sr, c->H, c->Hkv, D, &s.q, &s.k, &s.v);
+        uly_qkv_views(s.grad, ULY_F32, B, Sr, c->H, c->Hkv, D, &s.dq, &s.dk, &s.dv);
+    } else {
+        s.q = uly_dense(s.in, ULY_F32, B, Sr, c->H, D);
+        s.k = uly_dense(s.in + no, ULY_F32, B, Sr, c->Hkv, D);
+        s.v = uly_dense(s.in + no + nkv, ULY_F32, B, Sr, c->Hkv, D);
+        s.dq = uly_dense(s.grad, ULY_F32, B, Sr, c->H, D);
+        s.dk = uly_dense(s.grad + no, ULY_F32, B, Sr, c->Hkv, D);
+        s.dv = uly_dense(s.grad + no + nkv, ULY_F32, B, Sr, c->Hkv, D);
+    }
+    s.o = uly_dense(s.out, ULY_F32, B, Sr, c->H, D);
+    s.dO = uly_dense(s.dout, ULY_F32, B, Sr, c->H, D);
+    return s;
+}
+
+static inline void sp_shard_free(sp_shard *s) { free(s->in), free(s->grad), free(s->out), free(s->dout); }
+
+/* The rank's tokens of q, k, v and dout, from the full tensors. */
+static inline void sp_shard_load(sp_shard *s, const sp_case *c, sp_full *f) {
+    sp_copy_tokens(s->q, f->q, c->S, s->tok.start, 0);
+    sp_copy_tokens(s->k, f->k, c->S, s->tok.start, 0);
+    sp_copy_tokens(s->v, f->v, c->S, s->tok.start, 0);
+    sp_copy_tokens(s->dO, f->dout, c->S, s->tok.start, 0);
+}
+
+/* out (and with grad, dq, dk, dv) of the rank's tokens into the full tensors. */
+static inline void sp_shard_store(const sp_shard *s, const sp_case *c, sp_full *f, int grad) {
+    sp_copy_tokens(s->o, f->out, c->S, s->tok.start, 1);
+    if (!grad) return;
+    sp_copy_tokens(s->dq, f->dq, c->S, s->tok.start, 1);
+    sp_copy_tokens(s->dk, f->dk, c->S, s->tok.start, 1);
+    sp_copy_tokens(s->dv, f->dv, c->S, s->tok.start, 1);
+}
+
+/* The rank's lse [B, H_r, S] (as uly_saved_lse holds it) into the full lse [B, H, S]. */
+static inline void sp_shard_store_lse(const sp_shard *s, const sp_case *c, const float *lse,
+                                      sp_full *f) {
+    for (int64_t b = 0; b < c->B; b++)
+        memcpy(f->lse + (b * c->H + s->heads.start) * c->S, lse + b * s->heads.count * c->S,
+               (size_t)(s->heads.count * c->S) * sizeof(float));
 }
 
 /* Runs the layer on this rank of `comm` (an SP group of a world of world_size ranks, this one
    being `rank`) and writes its shards into f. */
-static inline uly_status sp_run_rank(const uly_comm *comm, int world_size, int rank, const sp_case *c,
-                              sp_full *f) {
+static inline uly_status sp_run_rank(const uly_comm *comm, int world_size, int rank,
+                                     const sp_case *c, sp_full *f) {
     uly_plan plan;
-    uly_plan_desc d;
-    memset(&d, 0, sizeof d);
-    d.world_size = world_size;
-    d.rank = rank;
-    d.sp_size = c->P;
-    d.batch = c->B;
-    d.seq_len = c->S;
-    d.n_heads = c->H;
-    d.n_kv_heads = c->Hkv;
-    d.head_dim = c->D;
-    d.dtype = ULY_F32;
-    uly_status st = uly_plan_init(&plan, &d);
+    uly_status st = sp_plan(c, world_size, rank, ULY_F32, &plan);
     if (st.code) return st;
-
-    uly_range tok = uly_tokens(&plan, plan.sp_rank), hr = uly_heads(&plan, plan.sp_rank);
-    int64_t Sr = tok.count, nh = c->H + 2 * c->Hkv;
-    float *qkv = ref_alloc_f(c->B * Sr * nh * c->D), *dqkv = ref_alloc_f(c->B * Sr * nh * c->D);
-    float *sep = ref_alloc_f(c->B * Sr * nh * c->D), *dsep = ref_alloc_f(c->B * Sr * nh * c->D);
-    float *out = ref_alloc_f(c->B * Sr * c->H * c->D), *dout = ref_alloc_f(c->B * Sr * c->H * c->D);
-    sp_fill_nan(qkv, c->B * Sr * nh * c->D);
-    sp_fill_nan(dqkv, c->B * Sr * nh * c->D);
-    sp_fill_nan(dsep, c->B * Sr * nh * c->D);
-    sp_fill_nan(out, c->B * Sr * c->H * c->D);
-
-    uly_tensor q, k, v, dq, dk, dv;
-    if (c->fused) {
-        uly_qkv_views(qkv, ULY_F32, c->B, Sr, c->H, c->Hkv, c->D, &q, &k, &v);
-        uly_qkv_views(dqkv, ULY_F32, c->B, Sr, c->H, c->Hkv, c->D, &dq, &dk, &dv);
-    } else {
-        int64_t nq = c->B * Sr * c->H * c->D, nkv = c->B * Sr * c->Hkv * c->D;
-        q = uly_dense(sep, ULY_F32, c->B, Sr, c->H, c->D);
-        k = uly_dense(sep + nq, ULY_F32, c->B, Sr, c->Hkv, c->D);
-        v = uly_dense(sep + nq + nkv, ULY_F32, c->B, Sr, c->Hkv, c->D);
-        dq = uly_dense(dsep, ULY_F32, c->B, Sr, c->H, c->D);
-        dk = uly_dense(dsep + nq, ULY_F32, c->B, Sr, c->Hkv, c->D);
-        dv = uly_dense(dsep + nq + nkv, ULY_F32, c->B, Sr, c->Hkv, c->D);
-    }
-    sp_copy_tokens(q, f->q, c->S, tok.start, 0);
-    sp_copy_tokens(k, f->k, c->S, tok.start, 0);
-    sp_copy_tokens(v, f->v, c->S, tok.start, 0);
-    uly_tensor o = uly_dense(out, ULY_F32, c->B, Sr, c->H, c->D);
-    uly_tensor dO = uly_dense(dout, ULY_F32, c->B, Sr, c->H, c->D);
-    sp_copy_tokens(dO, f->dout, c->S, tok.start, 0);
+    sp_shard s = sp_shard_alloc(c, &plan);
+    sp_shard_load(&s, c, f);
 
     uly_layer L;
     memset(&L, 0, sizeof L);
@@ -166,23 +183,15 @@ static inline uly_status sp_run_rank(const uly_comm *comm, int world_size, int r
     L.workspace = malloc((size_t)(L.workspace_bytes > 0 ? L.workspace_bytes : 1));
     void *saved = malloc((size_t)(uly_saved_bytes(&plan) > 0 ? uly_saved_bytes(&plan) : 1));
 
-    st = uly_forward(&L, q, k, v, o, saved);
+    st = uly_forward(&L, s.q, s.k, s.v, s.o, saved);
     if (!st.code) {
-        sp_copy_tokens(o, f->out, c->S, tok.start, 1);
-        const float *lse = uly_saved_lse(&plan, saved); /* [B, H_r, S] */
-        for (int64_t b = 0; b < c->B; b++)
-            for (int64_t h = 0; h < hr.count; h++)
-                memcpy(f->lse + (b * c->H + hr.start + h) * c->S, lse + (b * hr.count + h) * c->S,
-                       (size_t)c->S * sizeof(float));
-        st = uly_backward(&L, dO, saved, dq, dk, dv);
+        sp_shard_store(&s, c, f, 0);
+        sp_shard_store_lse(&s, c, uly_saved_lse(&plan, saved), f);
+        st = uly_backward(&L, s.dO, saved, s.dq, s.dk, s.dv);
     }
-    if (!st.code) {
-        sp_copy_tokens(dq, f->dq, c->S, tok.start, 1);
-        sp_copy_tokens(dk, f->dk, c->S, tok.start, 1);
-        sp_copy_tokens(dv, f->dv, c->S, tok.start, 1);
-    }
+    if (!st.code) sp_shard_store(&s, c, f, 1);
     free(L.workspace), free(saved);
-    free(qkv), free(dqkv), free(sep), free(dsep), free(out), free(dout);
+    sp_shard_free(&s);
     return st;
 }
 

@@ -245,86 +245,49 @@ typedef struct job {
 static uly_status gpu_run_rank(const uly_comm *comm, const job *j) {
     const sp_case *c = j->c;
     const uly_dtype t = j->t;
-    sp_full *f = j->f;
     uly_plan plan;
-    uly_plan_desc d;
-    memset(&d, 0, sizeof d);
-    d.world_size = c->P, d.rank = comm->rank, d.sp_size = c->P;
-    d.batch = c->B, d.seq_len = c->S, d.n_heads = c->H, d.n_kv_heads = c->Hkv;
-    d.head_dim = c->D, d.dtype = t;
-    uly_status st = uly_plan_init(&plan, &d);
+    uly_status st = sp_plan(c, c->P, comm->rank, t, &plan);
     if (st.code) return st;
-    uly_range tok = uly_tokens(&plan, plan.sp_rank), hr = uly_heads(&plan, plan.sp_rank);
-    const int64_t Sr = tok.count, nqkv = c->B * Sr * (c->H + 2 * c->Hkv) * c->D;
-    const int64_t no = c->B * Sr * c->H * c->D;
-
-    /* Host staging in float, laid out as on the device: q, k, v fused or one after another. */
-    float *in = ref_alloc_f(nqkv), *dout = ref_alloc_f(no), *out = ref_alloc_f(no);
-    float *grad = ref_alloc_f(nqkv);
-    uly_tensor q, k, v, dq, dk, dv;
-    if (c->fused) {
-        uly_qkv_views(in, ULY_F32, c->B, Sr, c->H, c->Hkv, c->D, &q, &k, &v);
-        uly_qkv_views(grad, ULY_F32, c->B, Sr, c->H, c->Hkv, c->D, &dq, &dk, &dv);
-    } else {
-        const int64_t nkv = c->B * Sr * c->Hkv * c->D;
-        q = uly_dense(in, ULY_F32, c->B, Sr, c->H, c->D);
-        k = uly_dense(in + no, ULY_F32, c->B, Sr, c->Hkv, c->D);
-        v = uly_dense(in + no + nkv, ULY_F32, c->B, Sr, c->Hkv, c->D);
-        dq = uly_dense(grad, ULY_F32, c->B, Sr, c->H, c->D);
-        dk = uly_dense(grad + no, ULY_F32, c->B, Sr, c->Hkv, c->D);
-        dv = uly_dense(grad + no + nkv, ULY_F32, c->B, Sr, c->Hkv, c->D);
-    }
-    uly_tensor o = uly_dense(out, ULY_F32, c->B, Sr, c->H, c->D);
-    uly_tensor dO = uly_dense(dout, ULY_F32, c->B, Sr, c->H, c->D);
-    sp_copy_tokens(q, f->q, c->S, tok.start, 0);
-    sp_copy_tokens(k, f->k, c->S, tok.start, 0);
-    sp_copy_tokens(v, f->v, c->S, tok.start, 0);
-    sp_copy_tokens(dO, f->dout, c->S, tok.start, 0);
-    void *in_d = to_dev(in, nqkv, t), *dout_d = to_dev(dout, no, t);
+    sp_shard s = sp_shard_alloc(c, &plan); /* host staging in float, laid out as on the device */
+    sp_shard_load(&s, c, j->f);
+    const int64_t nqkv = c->B * s.tok.count * (c->H + 2 * c->Hkv) * c->D;
+    const int64_t no = c->B * s.tok.count * c->H * c->D;
+    void *in_d = to_dev(s.in, nqkv, t), *dout_d = to_dev(s.dout, no, t);
     void *out_d = to_dev(NULL, no, t), *grad_d = to_dev(NULL, nqkv, t);
 
-    uly_layer L;
-    memset(&L, 0, sizeof L);
-    L.plan = &plan;
-    L.comm = comm;
-    L.attn = j->attn;
-    L.layout = uly_cuda_layout();
+    cudaStream_t stream;
+    cudaStreamCreate(&stream);
+    uly_layer L = uly_cuda_layer(&plan, comm, stream);
+    L.attn = j->attn; /* the flash default, or the reference */
     L.softmax_scale = c->scale;
     L.causal = c->causal;
     L.deterministic = j->deterministic;
-    cudaStream_t stream;
-    cudaStreamCreate(&stream);
-    L.stream = stream;
     L.workspace_bytes = uly_layer_workspace(&L);
     void *saved = NULL;
     cudaMalloc(&L.workspace, (size_t)L.workspace_bytes + 1);
     cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan) + 1);
 
-    st = uly_forward(&L, on_dev(q, in, in_d, t), on_dev(k, in, in_d, t), on_dev(v, in, in_d, t),
-                     on_dev(o, out, out_d, t), saved);
+    st = uly_forward(&L, on_dev(s.q, s.in, in_d, t), on_dev(s.k, s.in, in_d, t),
+                     on_dev(s.v, s.in, in_d, t), on_dev(s.o, s.out, out_d, t), saved);
     if (!st.code)
-        st = uly_backward(&L, on_dev(dO, dout, dout_d, t), saved, on_dev(dq, grad, grad_d, t),
-                          on_dev(dk, grad, grad_d, t), on_dev(dv, grad, grad_d, t));
+        st = uly_backward(&L, on_dev(s.dO, s.dout, dout_d, t), saved,
+                          on_dev(s.dq, s.grad, grad_d, t), on_dev(s.dk, s.grad, grad_d, t),
+                          on_dev(s.dv, s.grad, grad_d, t));
     cudaStreamSynchronize(stream);
     if (!st.code) {
-        from_dev(out, out_d, no, t);
-        from_dev(grad, grad_d, nqkv, t);
-        sp_copy_tokens(o, f->out, c->S, tok.start, 1);
-        sp_copy_tokens(dq, f->dq, c->S, tok.start, 1);
-        sp_copy_tokens(dk, f->dk, c->S, tok.start, 1);
-        sp_copy_tokens(dv, f->dv, c->S, tok.start, 1);
-        const int64_t nl = c->B * hr.count * c->S; /* lse [B, H_r, S] */
+        from_dev(s.out, out_d, no, t);
+        from_dev(s.grad, grad_d, nqkv, t);
+        sp_shard_store(&s, c, j->f, 1);
+        const int64_t nl = c->B * s.heads.count * c->S; /* lse [B, H_r, S] */
         float *lse = ref_alloc_f(nl);
         from_dev(lse, uly_saved_lse(&plan, saved), nl, ULY_F32);
-        for (int64_t b = 0; b < c->B; b++)
-            memcpy(f->lse + (b * c->H + hr.start) * c->S, lse + b * hr.count * c->S,
-                   (size_t)(hr.count * c->S) * sizeof(float));
+        sp_shard_store_lse(&s, c, lse, j->f);
         free(lse);
     }
     cudaStreamDestroy(stream);
     void *all[] = {in_d, dout_d, out_d, grad_d, L.workspace, saved};
     for (int i = 0; i < 6; i++) cudaFree(all[i]);
-    free(in), free(dout), free(out), free(grad);
+    sp_shard_free(&s);
     return st;
 }
 
@@ -515,6 +478,28 @@ static void flash_matrix(uly_dtype t, int deterministic) {
     for (const sp_case &c : flash_cases) check_flash_layer(&c, t, deterministic);
 }
 
+/* uly_cuda_layer: the CUDA layout and the flash kernels, the given plan, comm and stream, and
+   every other field zero (not causal, default scale, no workspace, no hooks). */
+TEST(cuda_layer_defaults_to_the_flash_kernels) {
+    uly_plan plan;
+    uly_comm comm;
+    int stream;
+    memset(&plan, 0, sizeof plan), memset(&comm, 0, sizeof comm);
+    const uly_layer L = uly_cuda_layer(&plan, &comm, &stream);
+    const uly_attn fa = uly_flash_attention();
+    const uly_layout cl = uly_cuda_layout();
+    CHECK(L.attn.fwd == fa.fwd && L.attn.bwd == fa.bwd && L.attn.workspace == fa.workspace &&
+              L.attn.ctx == fa.ctx, "attn is not uly_flash_attention()");
+    CHECK(L.layout.pack == cl.pack && L.layout.unpack == cl.unpack && L.layout.ctx == cl.ctx,
+          "layout is not uly_cuda_layout()");
+    CHECK(L.plan == &plan && L.comm == &comm && L.stream == &stream, "plan, comm or stream");
+    CHECK(L.softmax_scale == 0 && !L.causal && !L.deterministic && !L.workspace &&
+              !L.workspace_bytes && !L.on_phase && !L.phase_user,
+          "scale %g, causal %d, deterministic %d, workspace %p (%lld bytes), on_phase %s",
+          (double)L.softmax_scale, L.causal, L.deterministic, L.workspace,
+          (long long)L.workspace_bytes, L.on_phase || L.phase_user ? "set" : "NULL");
+}
+
 TEST(flash_layer_bf16_matches_unsharded_flash_and_cpu_layer) { flash_matrix(ULY_BF16, 0); }
 TEST(flash_layer_f16_matches_unsharded_flash_and_cpu_layer) { flash_matrix(ULY_F16, 0); }
 TEST(flash_layer_deterministic_bf16_is_bitwise_unsharded) { flash_matrix(ULY_BF16, 1); }
@@ -599,13 +584,10 @@ typedef struct bad_job {
 
 static void bad_main(const uly_comm *comm, void *user) {
     bad_job *j = (bad_job *)user;
+    const int P = j->comm_size_of_plan;
+    const sp_case c = {P, 1, 8, 4, 4, 8, 0, 0, 0}; /* B, S, H, Hkv, D */
     uly_plan plan;
-    uly_plan_desc d;
-    memset(&d, 0, sizeof d);
-    d.world_size = j->comm_size_of_plan, d.rank = comm->rank % j->comm_size_of_plan;
-    d.sp_size = j->comm_size_of_plan;
-    d.batch = 1, d.seq_len = 8, d.n_heads = 4, d.head_dim = 8, d.dtype = ULY_BF16;
-    uly_status st = uly_plan_init(&plan, &d);
+    uly_status st = sp_plan(&c, P, comm->rank % P, ULY_BF16, &plan);
     if (st.code) {
         j->st[comm->rank] = st;
         return;
