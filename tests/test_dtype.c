@@ -154,7 +154,30 @@ static double elem_value(uly_dtype t, const char *x) {
     return ref_value(t == ULY_BF16 ? &bf16 : &fp16, h);
 }
 
-/* Unpack DKV on rank `rank` of case c into a dense dst and compare every element. */
+/* Element (b, s, kv head h, e) of the DKV unpack on p's rank: the copies of the peers that hold
+   h, added in fp32 in peer order (each addition an fp64 sum rounded to float, which is exact),
+   rounded once to the dtype. Peer j's block in recv is [B, S_r, its kv heads, D]. */
+static double want_sum(const uly_plan *p, const char *recv, int64_t b, int64_t s, int64_t h,
+                       int64_t e) {
+    uly_dtype t = p->desc.dtype;
+    int64_t B = p->desc.batch, Sr = uly_tokens(p, p->sp_rank).count, D = p->desc.head_dim;
+    float acc = 0;
+    int copies = 0;
+    for (int j = 0; j < p->desc.sp_size; j++) {
+        uly_range kv = uly_kv_heads(p, j);
+        if (h >= kv.start && h < kv.start + kv.count) {
+            int64_t i = ((b * Sr + s) * kv.count + h - kv.start) * D + e;
+            double x = elem_value(t, recv + i * p->elem_size);
+            acc = copies++ ? (float)((double)acc + x) : (float)x;
+        }
+        recv += B * Sr * kv.count * D * p->elem_size;
+    }
+    CHECK(copies > 0, "kv head %lld: no peer holds it", (long long)h);
+    return t == ULY_F32 ? acc : ref_round(t == ULY_BF16 ? &bf16 : &fp16, acc);
+}
+
+/* Unpack DKV on rank `rank` of case c, of random copies, into a dense dst; compare every
+   element. */
 static void check_dkv_sum(const dcase *c, int rank, uly_dtype t) {
     const int64_t B = 2, S = 7, D = 5, es = uly_dtype_size(t);
     uly_plan p;
@@ -171,27 +194,13 @@ static void check_dkv_sum(const dcase *c, int rank, uly_dtype t) {
     uly_layout l = uly_cpu_layout();
     st = l.unpack(l.ctx, &p, ULY_X_DKV, recv, uly_dense(dst, t, B, Sr, c->Hkv, D), NULL);
     CHECK(!st.code, "unpack: %s", st.msg);
-
     int64_t bad = 0;
-    for (int64_t h = 0; h < c->Hkv; h++)
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t s = 0; s < Sr; s++)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t s = 0; s < Sr; s++)
+            for (int64_t h = 0; h < c->Hkv; h++)
                 for (int64_t e = 0; e < D; e++) {
-                    float acc = 0;
-                    int copies = 0;
-                    const char *blk = recv; /* peer j's block [B, Sr, its kv heads, D] */
-                    for (int j = 0; j < c->P; j++) {
-                        uly_range kv = uly_kv_heads(&p, j);
-                        int64_t i = ((b * Sr + s) * kv.count + h - kv.start) * D + e;
-                        if (h >= kv.start && h < kv.start + kv.count) {
-                            double x = elem_value(t, blk + i * es);
-                            acc = copies++ ? (float)((double)acc + x) : (float)x;
-                        }
-                        blk += B * Sr * kv.count * D * es;
-                    }
-                    double want = t == ULY_F32 ? acc : ref_round(t == ULY_BF16 ? &bf16 : &fp16, acc);
                     double got = elem_value(t, dst + (((b * Sr + s) * c->Hkv + h) * D + e) * es);
-                    bad += !same(got, want) || copies == 0;
+                    bad += !same(got, want_sum(&p, recv, b, s, h, e));
                 }
     CHECK(bad == 0, "%s, P %d H %lld Hkv %lld rank %d: %lld of %lld elements differ from the "
           "sum in peer order rounded once", uly__dtype_name(t), c->P, (long long)c->H,
@@ -226,8 +235,9 @@ TEST(dkv_unpack_adds_in_fp32_in_peer_order_before_it_rounds) {
         CHECK(!st.code && uly_recv_bytes(&p, ULY_X_DKV) == 4 * n * es, "plan: %s", st.msg);
         for (int j = 0; j < 4; j++)
             for (int64_t i = 0; i < n; i++)
-                memcpy(recv + (j * n + i) * es, t == ULY_F32 ? (const void *)&f32[j]
-                                                             : (const void *)&bits[t][j], (size_t)es);
+                memcpy(recv + (j * n + i) * es,
+                       t == ULY_F32 ? (const void *)&f32[j] : (const void *)&bits[t][j],
+                       (size_t)es);
         uly_layout l = uly_cpu_layout();
         st = l.unpack(l.ctx, &p, ULY_X_DKV, recv, uly_dense(dst, dt, 2, 3, 1, 4), NULL);
         CHECK(!st.code, "unpack: %s", st.msg);
