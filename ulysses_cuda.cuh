@@ -228,19 +228,16 @@ static __device__ __forceinline__ void uly_mma_m16n8k16(float d[4], const uint32
 #ifdef ULY_EMU
     uly_emu_mma(16, std::is_same<T, __half>::value ? ULY_EMU_F16 : ULY_EMU_BF16, d, a, b, c);
 #else
-    if constexpr (std::is_same<T, __half>::value) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-    } else {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-    }
+    // The instruction names its operand type; one asm statement per shape, the type spliced in.
+#define ULY__MMA_16816(ty)                                                                        \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." ty "." ty ".f32 "                       \
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"                     \
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),             \
+                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]))
+    if constexpr (std::is_same<T, __half>::value) ULY__MMA_16816("f16");
+    else ULY__MMA_16816("bf16");
+#undef ULY__MMA_16816
 #endif
 }
 
@@ -253,19 +250,14 @@ static __device__ __forceinline__ void uly_mma_m16n8k8(float d[4], const uint32_
 #ifdef ULY_EMU
     uly_emu_mma(8, std::is_same<T, __half>::value ? ULY_EMU_F16 : ULY_EMU_BF16, d, a, b, c);
 #else
-    if constexpr (std::is_same<T, __half>::value) {
-        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(b[0]),
-                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-    } else {
-        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(b[0]),
-                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-    }
+#define ULY__MMA_1688(ty)                                                                         \
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32." ty "." ty ".f32 "                        \
+                 "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"                                  \
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                 \
+                 : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]))
+    if constexpr (std::is_same<T, __half>::value) ULY__MMA_1688("f16");
+    else ULY__MMA_1688("bf16");
+#undef ULY__MMA_1688
 #endif
 }
 
