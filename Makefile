@@ -249,8 +249,9 @@ GPU_BENCHES += $(CUDA_BENCHES:%=$(BUILD)/gpu/%)
 # The flash kernels (ulysses_cuda.cuh). test_flash checks them against fp64, plain-precision
 # and CPU references: under the emulator, plain and ASan builds (make test), and on a GPU (make
 # test-gpu). Its nvcc build (sm_80 and sm_90, -Werror) keeps ptxas -v's report, and make test
-# fails if any flash kernel spills registers. test_flash_gpu (cuBLASLt agreement) runs on a GPU
-# only; make test still builds it when nvcc is here.
+# fails if any flash kernel spills registers. test_cublaslt checks the cuBLASLt attention and
+# flash's agreement with it: under the emulator against tests/emu/cublaslt_emu.cpp (a double of
+# the documented GEMM), and on a GPU against the real library.
 FLASH_HDRS = ulysses.h ulysses_cuda.cuh tests/flash_case.h \
              $(EMU_HDRS)
 
@@ -264,20 +265,34 @@ $(BUILD)/gpu/test_flash: tests/test_flash.cu $(FLASH_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
 
-$(BUILD)/gpu/test_flash_gpu: tests/test_flash_gpu.cu $(FLASH_HDRS)
+$(BUILD)/emu/cublaslt_emu.o: tests/emu/cublaslt_emu.cpp
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
+$(BUILD)/asan/emu/cublaslt_emu.o: tests/emu/cublaslt_emu.cpp
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
+$(BUILD)/test_cublaslt: tests/test_cublaslt.cu $(FLASH_HDRS) $(EMU_OBJ) $(BUILD)/emu/cublaslt_emu.o
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+$(BUILD)/asan/test_cublaslt: tests/test_cublaslt.cu $(FLASH_HDRS) $(EMU_ASAN_OBJ) \
+                             $(BUILD)/asan/emu/cublaslt_emu.o
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+$(BUILD)/gpu/test_cublaslt: tests/test_cublaslt.cu $(FLASH_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@ -lcublasLt
 
-TESTS     += $(BUILD)/test_flash $(BUILD)/asan/test_flash
-TEST_BINS += $(BUILD)/test_flash $(BUILD)/asan/test_flash
+FLASH_TESTS = test_flash test_cublaslt
+TESTS     += $(FLASH_TESTS:%=$(BUILD)/%) $(FLASH_TESTS:%=$(BUILD)/asan/%)
+TEST_BINS += $(FLASH_TESTS:%=$(BUILD)/%) $(FLASH_TESTS:%=$(BUILD)/asan/%)
 ifeq ($(HAVE_NVCC),1)
 TESTS     += 'tests/ptxas_spills.sh $(BUILD)/gpu/test_flash.ptxas uly__flash'
-TEST_BINS += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
+TEST_BINS += $(FLASH_TESTS:%=$(BUILD)/gpu/%)
 else
 TESTS     += 'skip:flash kernel spill check (no nvcc)'
 endif
-GPU_TESTS += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
-GPU_BINS  += $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_flash_gpu
+GPU_TESTS += $(FLASH_TESTS:%=$(BUILD)/gpu/%)
+GPU_BINS  += $(FLASH_TESTS:%=$(BUILD)/gpu/%)
 
 # TFLOP/s against PyTorch's SDPA, results under bench/ (bench/run_attn.sh says which files).
 $(BUILD)/gpu/bench_attn: bench/bench_attn.cu bench/bench_cuda.h $(FLASH_HDRS)

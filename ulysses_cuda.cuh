@@ -1867,7 +1867,7 @@ ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen 
 /* ---------------------------------------------------------------------------------------------
    The unfused cuBLASLt attention */
 
-#if defined(ULYSSES_CUBLASLT) && !defined(ULY_EMU)
+#ifdef ULYSSES_CUBLASLT
 
 /* Row r of a [rows, sk] score block: query row r % sq of the block's head r / sq. */
 
@@ -2101,7 +2101,7 @@ ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle) {
     return at;
 }
 
-#endif /* ULYSSES_CUBLASLT && !ULY_EMU */
+#endif /* ULYSSES_CUBLASLT */
 
 /* ---------------------------------------------------------------------------------------------
    The default GPU layer */

@@ -1,5 +1,5 @@
 /* flash_case.h - the harness of the attention kernel tests (test_flash.cu, emulated and on a
-   GPU; test_flash_gpu.cu): cases, seeded inputs rounded to the dtype, the fp64 and plain-precision
+   GPU; test_cublaslt.cu): cases, seeded inputs rounded to the dtype, the fp64 and plain-precision
    references, device tensors (dense or padded), one forward + backward run of a uly_attn, and
    the accuracy rule. Include after ulysses_cuda.cuh (with its implementation) and check.h. */
 #ifndef ULY_FLASH_CASE_H
