@@ -67,11 +67,15 @@ double at(const layout &l, const void *p, int64_t b, bool trans, int64_t i, int6
     return load(l.type, p, b * l.stride + i + j * l.ld);
 }
 
-template <typename F> cublasStatus_t set(void *field, size_t field_size, const void *buf,
-                                         size_t size, F valid) {
-    if (!buf || size != field_size) return CUBLAS_STATUS_INVALID_VALUE;
-    std::memcpy(field, buf, size);
-    return valid() ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_INVALID_VALUE;
+// An attribute's new value, kept only if it has the attribute's size and is valid.
+template <typename T, typename F> cublasStatus_t set(T &field, const void *buf, size_t size,
+                                                     F valid) {
+    T v;
+    if (!buf || size != sizeof v) return CUBLAS_STATUS_INVALID_VALUE;
+    std::memcpy(&v, buf, sizeof v);
+    if (!valid(v)) return CUBLAS_STATUS_INVALID_VALUE;
+    field = v;
+    return CUBLAS_STATUS_SUCCESS;
 }
 
 }  // namespace
@@ -117,8 +121,8 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
     if (!d) return CUBLAS_STATUS_INVALID_VALUE;
     if (attr != CUBLASLT_MATMUL_DESC_TRANSA && attr != CUBLASLT_MATMUL_DESC_TRANSB)
         return CUBLAS_STATUS_NOT_SUPPORTED;
-    int32_t &op = body(d)->op[attr == CUBLASLT_MATMUL_DESC_TRANSB];
-    return set(&op, sizeof op, buf, size, [&] { return op == CUBLAS_OP_N || op == CUBLAS_OP_T; });
+    return set(body(d)->op[attr == CUBLASLT_MATMUL_DESC_TRANSB], buf, size,
+               [](int32_t op) { return op == CUBLAS_OP_N || op == CUBLAS_OP_T; });
 }
 
 cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cudaDataType type,
@@ -140,9 +144,9 @@ cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
     if (!l) return CUBLAS_STATUS_INVALID_VALUE;
     layout &m = *body(l);
     if (attr == CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT)
-        return set(&m.batch, sizeof m.batch, buf, size, [&] { return m.batch >= 1; });
+        return set(m.batch, buf, size, [](int32_t n) { return n >= 1; });
     if (attr == CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET)
-        return set(&m.stride, sizeof m.stride, buf, size, [&] { return m.stride >= 0; });
+        return set(m.stride, buf, size, [](int64_t n) { return n >= 0; });
     return CUBLAS_STATUS_NOT_SUPPORTED;
 }
 
