@@ -16,6 +16,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -1233,11 +1234,12 @@ void uly_emu_set_quiet(bool q) { quiet = q; }
 unsigned long long uly_emu_switches() { return total_switches; }
 
 // =============================================================================================
-// CUDA runtime subset on host memory. Streams and events exist only as handles: every call is
-// synchronous. Errors of a launch are not sticky: cudaGetLastError clears them, so a test goes on.
+// CUDA runtime subset on host memory. Streams and events are handles (a stream holds only the
+// flag of uly_emu_stall_stream): every call is synchronous. Errors of a launch are not sticky:
+// cudaGetLastError clears them, so a test goes on.
 
 struct CUstream_st {
-    int unused;
+    bool stalled;  // uly_emu_stall_stream
 };
 
 struct CUevent_st {
@@ -1249,6 +1251,7 @@ namespace {
 #define ULY__ERRORS(X)                                                                             \
     X(cudaSuccess, "no error")                                                                     \
     X(cudaErrorInvalidValue, "invalid argument")                                                   \
+    X(cudaErrorNotReady, "device not ready")                                                       \
     X(cudaErrorMemoryAllocation, "out of memory")                                                  \
     X(cudaErrorInvalidConfiguration, "invalid configuration argument")                            \
     X(cudaErrorInvalidDevice, "invalid device ordinal")                                            \
@@ -1267,27 +1270,71 @@ const char *error_text(cudaError_t e, bool name) {
 
 cudaError_t pending() { return last_error; }
 
-}  // namespace
+// Live allocations by address and their extent, so cudaPointerGetAttributes can tell device
+// memory (cudaMalloc) and pinned host memory (cudaMallocHost) from plain host memory.
+struct Alloc {
+    size_t size;
+    cudaMemoryType type;
+};
+std::mutex alloc_m;
+std::map<uintptr_t, Alloc> allocs;
 
-cudaError_t cudaMalloc(void **p, size_t size) {
-    // Exact-size allocations let ASan catch a kernel reading one element past a buffer; the
-    // fill stands for the garbage of fresh device memory.
+// Exact-size allocations let ASan catch a kernel reading one element past a buffer; the fill
+// stands for the garbage of fresh device memory.
+cudaError_t alloc(void **p, size_t size, cudaMemoryType type) {
     if (posix_memalign(p, 256, std::max<size_t>(size, 1))) {
         *p = nullptr;
         set_error(cudaErrorMemoryAllocation);
         return cudaErrorMemoryAllocation;
     }
     memset(*p, 0xff, size);
+    std::lock_guard<std::mutex> lock(alloc_m);
+    allocs[(uintptr_t)*p] = Alloc{std::max<size_t>(size, 1), type};
     return cudaSuccess;
 }
 
-cudaError_t cudaFree(void *p) {
+cudaError_t release(void *p) {
+    {
+        std::lock_guard<std::mutex> lock(alloc_m);
+        allocs.erase((uintptr_t)p);
+    }
     free(p);
     return cudaSuccess;
 }
 
-cudaError_t cudaMallocHost(void **p, size_t size) { return cudaMalloc(p, size); }
-cudaError_t cudaFreeHost(void *p) { return cudaFree(p); }
+// The default stream's stall flag is per host thread: each rank thread models its own GPU.
+thread_local bool default_stalled = false;
+
+bool &stall_flag(cudaStream_t s) { return s ? s->stalled : default_stalled; }
+
+}  // namespace
+
+void uly_emu_stall_stream(cudaStream_t s, bool stalled) { stall_flag(s) = stalled; }
+
+cudaError_t cudaMalloc(void **p, size_t size) { return alloc(p, size, cudaMemoryTypeDevice); }
+cudaError_t cudaFree(void *p) { return release(p); }
+cudaError_t cudaMallocHost(void **p, size_t size) { return alloc(p, size, cudaMemoryTypeHost); }
+cudaError_t cudaFreeHost(void *p) { return release(p); }
+
+// As CUDA 11 and later: memory the runtime does not know is cudaMemoryTypeUnregistered, with
+// cudaSuccess. Device memory has no host alias (though here the host could read it).
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *a, const void *ptr) {
+    if (!a) return cudaErrorInvalidValue;
+    *a = cudaPointerAttributes{};
+    a->type = cudaMemoryTypeUnregistered;
+    a->device = cudaInvalidDeviceId;
+    a->hostPointer = const_cast<void *>(ptr);
+    std::lock_guard<std::mutex> lock(alloc_m);
+    auto it = allocs.upper_bound((uintptr_t)ptr);  // the first allocation past ptr
+    if (it == allocs.begin()) return cudaSuccess;
+    --it;
+    if ((uintptr_t)ptr - it->first >= it->second.size) return cudaSuccess;
+    a->type = it->second.type;
+    a->device = 0;
+    a->devicePointer = const_cast<void *>(ptr);
+    if (a->type == cudaMemoryTypeDevice) a->hostPointer = nullptr;
+    return cudaSuccess;
+}
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind) {
     if (count) memmove(dst, src, count);
@@ -1333,6 +1380,9 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return pending(); }
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+    return stall_flag(s) ? cudaErrorNotReady : pending();
+}
 cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
 
 cudaError_t cudaEventCreate(cudaEvent_t *e) {

@@ -22,7 +22,20 @@
 
 // The toolkit's own headers give the runtime API declarations, vector types, dim3, bf16 and half;
 // with a host compiler they define __global__, __device__, __host__, __constant__ and
-// __launch_bounds__ as nothing. cuda_emu.cpp implements the subset of the runtime listed below.
+// __launch_bounds__ as nothing. cuda_emu.cpp implements this subset of the runtime, on host
+// memory, every call synchronous:
+//   memory    cudaMalloc cudaFree cudaMallocHost cudaFreeHost cudaPointerGetAttributes
+//             cudaMemcpy cudaMemcpyAsync cudaMemset cudaMemsetAsync
+//             cudaMemcpyToSymbol cudaMemcpyFromSymbol
+//   streams   cudaStreamCreate cudaStreamCreateWithFlags cudaStreamDestroy
+//             cudaStreamSynchronize cudaStreamQuery cudaStreamWaitEvent
+//   events    cudaEventCreate cudaEventCreateWithFlags cudaEventDestroy cudaEventRecord
+//             cudaEventSynchronize cudaEventElapsedTime
+//   errors    cudaGetLastError cudaPeekAtLastError cudaGetErrorString cudaGetErrorName
+//   device    cudaDeviceSynchronize cudaDeviceReset cudaFuncSetAttribute cudaGetDeviceCount
+//             cudaGetDevice cudaSetDevice cudaMemGetInfo cudaGetDeviceProperties
+//             cudaDeviceGetAttribute
+// Kernels launch through ULY_LAUNCH below, not <<<>>>.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -78,6 +91,11 @@ void uly_emu_cp_async_wait(int n);
 unsigned long long uly_emu_seed();
 const char *uly_emu_last_failure();
 void uly_emu_set_quiet(bool quiet);
+
+// Test hook: while stalled, cudaStreamQuery(s) answers cudaErrorNotReady, as for a stream whose
+// collective waits on a dead peer; nothing else changes. Stream 0 stands for the calling host
+// thread's default stream (each rank thread of tests/emu/nccl_emu.cpp models its own GPU).
+void uly_emu_stall_stream(cudaStream_t s, bool stalled);
 
 // Cost counters for bench/bench_emu.cu: fiber switches since the process started.
 unsigned long long uly_emu_switches();
