@@ -1,0 +1,21 @@
+// nccl_emu.h: the test hooks of tests/emu/nccl_emu.cpp, the in-process NCCL that runs the NCCL
+// communicator of ulysses_cuda.cuh under the CUDA emulator (tests only; not part of the product).
+// Include after <nccl.h>. `call` names an NCCL function, e.g. "ncclSend"; an unknown name aborts.
+#ifndef ULY_NCCL_EMU_H
+#define ULY_NCCL_EMU_H
+
+// The next call of `call` on comm returns r, and ncclGetLastError then gives msg. Once.
+void uly_emu_nccl_fail(ncclComm_t comm, const char *call, ncclResult_t r, const char *msg);
+
+// From now on ncclCommGetAsyncError reports r on comm (ncclRemoteError: a peer died), and NCCL
+// refuses new work on it with r; msg becomes the last error when either happens.
+void uly_emu_nccl_async_error(ncclComm_t comm, ncclResult_t r, const char *msg);
+
+// Whether ncclCommAbort was called on comm. The double keeps every communicator it made, so this
+// may ask about an aborted one; any NCCL call on it aborts the test instead.
+bool uly_emu_nccl_aborted(ncclComm_t comm);
+
+// How many times any thread called `call` since the process started.
+unsigned long long uly_emu_nccl_calls(const char *call);
+
+#endif
