@@ -27,110 +27,7 @@
 #include "ref64.h"
 #include "sp_case.h"
 #include "flash_case.h"
-
-static const char *const output_names[] = {"out", "lse", "dq", "dk", "dv"};
-
-static const char *dtype_name(uly_dtype t) {
-    return t == ULY_F32 ? "f32" : t == ULY_BF16 ? "bf16" : "f16";
-}
-
-/* ---------------------------------------------------------------------------------------------
-   Host floats <-> device tensors of any dtype */
-
-static void round_all(float *x, int64_t n, uly_dtype t) {
-    for (int64_t i = 0; i < n; i++) x[i] = round_to(t, x[i]);
-}
-
-/* n values of dtype t on the device, from host floats (NULL: left uninitialized). */
-static void *to_dev(const float *x, int64_t n, uly_dtype t) {
-    int64_t es = uly_dtype_size(t);
-    char *tmp = (char *)malloc((size_t)(n * es + 1));
-    void *d = NULL;
-    for (int64_t i = 0; x && i < n; i++) {
-        if (t == ULY_F32) memcpy(tmp + 4 * i, &x[i], 4);
-        else if (t == ULY_BF16) ((__nv_bfloat16 *)tmp)[i] = __float2bfloat16_rn(x[i]);
-        else ((__half *)tmp)[i] = __float2half_rn(x[i]);
-    }
-    CHECK(cudaMalloc(&d, (size_t)(n * es + 1)) == cudaSuccess, "cudaMalloc");
-    if (x) cudaMemcpy(d, tmp, (size_t)(n * es), cudaMemcpyHostToDevice);
-    free(tmp);
-    return d;
-}
-
-static void from_dev(float *x, const void *d, int64_t n, uly_dtype t) {
-    int64_t es = uly_dtype_size(t);
-    char *tmp = (char *)malloc((size_t)(n * es + 1));
-    CHECK(cudaMemcpy(tmp, d, (size_t)(n * es), cudaMemcpyDeviceToHost) == cudaSuccess,
-          "cudaMemcpy back");
-    for (int64_t i = 0; i < n; i++)
-        x[i] = t == ULY_F32 ? ((float *)tmp)[i]
-               : t == ULY_BF16 ? __bfloat162float(((__nv_bfloat16 *)tmp)[i])
-                               : __half2float(((__half *)tmp)[i]);
-    free(tmp);
-}
-
-/* The device twin of host view v into the buffer at host: same shape and strides. */
-static uly_tensor on_dev(uly_tensor v, const float *host, void *dev, uly_dtype t) {
-    v.data = (char *)dev + ((const float *)v.data - host) * uly_dtype_size(t);
-    v.dtype = t;
-    return v;
-}
-
-/* ---------------------------------------------------------------------------------------------
-   The reference attention, unsharded, on device copies of full float tensors */
-
-static uly_status gpu_attention(const sp_case *c, uly_dtype t, sp_full *f, int backward) {
-    int64_t nq = sp_nq(c), nkv = sp_nkv(c);
-    void *q = to_dev(f->q, nq, t), *k = to_dev(f->k, nkv, t), *v = to_dev(f->v, nkv, t);
-    void *o = to_dev(NULL, nq, t), *dout = to_dev(f->dout, nq, t), *dq = to_dev(NULL, nq, t);
-    void *dk = to_dev(NULL, nkv, t), *dv = to_dev(NULL, nkv, t), *lse = NULL, *ws = NULL;
-    uly_attn attn = uly_cuda_reference_attention();
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = uly_dense(q, t, c->B, c->S, c->H, c->D);
-    a.k = uly_dense(k, t, c->B, c->S, c->Hkv, c->D);
-    a.v = uly_dense(v, t, c->B, c->S, c->Hkv, c->D);
-    a.o = uly_dense(o, t, c->B, c->S, c->H, c->D);
-    a.dout = uly_dense(dout, t, c->B, c->S, c->H, c->D);
-    a.dq = uly_dense(dq, t, c->B, c->S, c->H, c->D);
-    a.dk = uly_dense(dk, t, c->B, c->S, c->Hkv, c->D);
-    a.dv = uly_dense(dv, t, c->B, c->S, c->Hkv, c->D);
-    a.softmax_scale = c->scale;
-    a.causal = c->causal;
-    cudaMalloc(&lse, (size_t)sp_nlse(c) * 4);
-    cudaMalloc(&ws, (size_t)attn.workspace(attn.ctx, &a) + 1);
-    a.lse = (float *)lse;
-    a.workspace = ws;
-    uly_status st = attn.fwd(attn.ctx, &a);
-    if (!st.code && backward) st = attn.bwd(attn.ctx, &a);
-    cudaDeviceSynchronize();
-    from_dev(f->out, o, nq, t);
-    from_dev(f->lse, lse, sp_nlse(c), ULY_F32);
-    if (backward) {
-        from_dev(f->dq, dq, nq, t);
-        from_dev(f->dk, dk, nkv, t);
-        from_dev(f->dv, dv, nkv, t);
-    }
-    void *all[] = {q, k, v, o, dout, dq, dk, dv, lse, ws};
-    for (int i = 0; i < 10; i++) cudaFree(all[i]);
-    return st;
-}
-
-/* The largest |a - b| / (1 + |b|), or NaN if any element is NaN. */
-static double maxdiff(const float *a, const float *b, int64_t n) {
-    double m = 0;
-    for (int64_t i = 0; i < n && m == m; i++) {
-        double d = fabs((double)a[i] - (double)b[i]) / (1 + fabs((double)b[i]));
-        if (!(d <= m)) m = d;
-    }
-    return m;
-}
-
-static int64_t bitdiff(const float *a, const float *b, int64_t n) {
-    int64_t k = 0;
-    for (int64_t i = 0; i < n; i++) k += memcmp(&a[i], &b[i], 4) != 0;
-    return k;
-}
+#include "sp_cuda_case.h"
 
 /* ---------------------------------------------------------------------------------------------
    The reference attention against uly_cpu_attention */
@@ -229,119 +126,6 @@ TEST(reference_attention_maps_a_group_split_at_q_head0) {
     cudaFree(dq), cudaFree(dkv), cudaFree(dO), cudaFree(dl);
 }
 
-/* ---------------------------------------------------------------------------------------------
-   The layer: one rank of P, on the device */
-
-typedef struct job {
-    const sp_case *c;
-    uly_dtype t;
-    uly_attn attn;     /* the reference or the flash attention */
-    int deterministic;
-    sp_full *f;
-    uly_status st[8];
-} job;
-
-/* Like sp_run_rank (sp_case.h), with every buffer on the device in dtype t. */
-static uly_status gpu_run_rank(const uly_comm *comm, const job *j) {
-    const sp_case *c = j->c;
-    const uly_dtype t = j->t;
-    uly_plan plan;
-    uly_status st = sp_plan(c, c->P, comm->rank, t, &plan);
-    if (st.code) return st;
-    sp_shard s = sp_shard_alloc(c, &plan); /* host staging in float, laid out as on the device */
-    sp_shard_load(&s, c, j->f);
-    const int64_t nqkv = c->B * s.tok.count * (c->H + 2 * c->Hkv) * c->D;
-    const int64_t no = c->B * s.tok.count * c->H * c->D;
-    void *in_d = to_dev(s.in, nqkv, t), *dout_d = to_dev(s.dout, no, t);
-    void *out_d = to_dev(NULL, no, t), *grad_d = to_dev(NULL, nqkv, t);
-
-    cudaStream_t stream;
-    cudaStreamCreate(&stream);
-    uly_layer L = uly_cuda_layer(&plan, comm, stream);
-    L.attn = j->attn; /* the flash default, or the reference */
-    L.softmax_scale = c->scale;
-    L.causal = c->causal;
-    L.deterministic = j->deterministic;
-    L.workspace_bytes = uly_layer_workspace(&L);
-    void *saved = NULL;
-    cudaMalloc(&L.workspace, (size_t)L.workspace_bytes + 1);
-    cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan) + 1);
-
-    st = uly_forward(&L, on_dev(s.q, s.in, in_d, t), on_dev(s.k, s.in, in_d, t),
-                     on_dev(s.v, s.in, in_d, t), on_dev(s.o, s.out, out_d, t), saved);
-    if (!st.code)
-        st = uly_backward(&L, on_dev(s.dO, s.dout, dout_d, t), saved,
-                          on_dev(s.dq, s.grad, grad_d, t), on_dev(s.dk, s.grad, grad_d, t),
-                          on_dev(s.dv, s.grad, grad_d, t));
-    cudaStreamSynchronize(stream);
-    if (!st.code) {
-        from_dev(s.out, out_d, no, t);
-        from_dev(s.grad, grad_d, nqkv, t);
-        sp_shard_store(&s, c, j->f, 1);
-        const int64_t nl = c->B * s.heads.count * c->S; /* lse [B, H_r, S] */
-        float *lse = ref_alloc_f(nl);
-        from_dev(lse, uly_saved_lse(&plan, saved), nl, ULY_F32);
-        sp_shard_store_lse(&s, c, lse, j->f);
-        free(lse);
-    }
-    cudaStreamDestroy(stream);
-    void *all[] = {in_d, dout_d, out_d, grad_d, L.workspace, saved};
-    for (int i = 0; i < 6; i++) cudaFree(all[i]);
-    sp_shard_free(&s);
-    return st;
-}
-
-static void rank_main(const uly_comm *comm, void *user) {
-    job *j = (job *)user;
-    j->st[comm->rank] = gpu_run_rank(comm, j);
-}
-
-/* The layer on P virtual ranks against the attention run unsharded on the GPU, and in f32
-   against the unsharded CPU reference. */
-static void check_layer(const sp_case *c, uly_dtype t) {
-    sp_full layer = sp_alloc(c, 7), whole = sp_alloc(c, 7), cpu = sp_alloc(c, 7);
-    sp_full *all[3] = {&layer, &whole, &cpu};
-    for (int i = 0; i < 3; i++) {
-        round_all(all[i]->q, sp_nq(c), t), round_all(all[i]->k, sp_nkv(c), t);
-        round_all(all[i]->v, sp_nkv(c), t), round_all(all[i]->dout, sp_nq(c), t);
-    }
-    job j;
-    memset(&j, 0, sizeof j);
-    j.c = c, j.t = t, j.f = &layer, j.attn = uly_cuda_reference_attention();
-    uly_status st = uly_cuda_local_run(c->P, rank_main, &j);
-    for (int r = 0; r < c->P && !st.code; r++) st = j.st[r];
-    uly_status ws = gpu_attention(c, t, &whole, 1);
-    CHECK(!st.code && !ws.code, "%s " SP_CASE_FMT ": layer '%s', unsharded '%s'", dtype_name(t),
-          SP_CASE_ARGS(c), st.msg, ws.msg);
-    if (st.code || ws.code) goto done;
-    CHECK(!bitdiff(layer.out, whole.out, sp_nq(c)) && !bitdiff(layer.lse, whole.lse, sp_nlse(c)),
-          "%s " SP_CASE_FMT ": forward differs from unsharded: %lld out, %lld lse", dtype_name(t),
-          SP_CASE_ARGS(c), (long long)bitdiff(layer.out, whole.out, sp_nq(c)),
-          (long long)bitdiff(layer.lse, whole.lse, sp_nlse(c)));
-    {
-        /* Summing a split group's copies rounds once more: one ulp in bf16 and f16. */
-        double tol = t == ULY_F32 ? 1e-6 : t == ULY_BF16 ? 0x1p-7 : 0x1p-10;
-        double e[3] = {maxdiff(layer.dq, whole.dq, sp_nq(c)),
-                       maxdiff(layer.dk, whole.dk, sp_nkv(c)),
-                       maxdiff(layer.dv, whole.dv, sp_nkv(c))};
-        for (int i = 0; i < 3; i++)
-            CHECK(e[i] <= tol, "%s " SP_CASE_FMT ": %s differs from unsharded by %g", dtype_name(t),
-                  SP_CASE_ARGS(c), output_names[2 + i], e[i]);
-    }
-    if (t == ULY_F32) {
-        uly_status cs = sp_cpu_reference(c, &cpu);
-        double e[5] = {maxdiff(layer.out, cpu.out, sp_nq(c)),
-                       maxdiff(layer.lse, cpu.lse, sp_nlse(c)),
-                       maxdiff(layer.dq, cpu.dq, sp_nq(c)), maxdiff(layer.dk, cpu.dk, sp_nkv(c)),
-                       maxdiff(layer.dv, cpu.dv, sp_nkv(c))};
-        CHECK(!cs.code, "cpu: %s", cs.msg);
-        for (int i = 0; i < 5; i++)
-            CHECK(e[i] <= 2e-6, "f32 " SP_CASE_FMT ": %s differs from the CPU reference by %g",
-                  SP_CASE_ARGS(c), output_names[i], e[i]);
-    }
-done:
-    sp_free(&layer), sp_free(&whole), sp_free(&cpu);
-}
 
 /* P, B, S, H, Hkv, D, causal, fused, scale */
 static const sp_case layer_cases[] = {
@@ -358,15 +142,15 @@ static const sp_case layer_cases[] = {
 enum { NLAYER = sizeof layer_cases / sizeof *layer_cases };
 
 TEST(layer_f32_matches_unsharded_and_cpu) {
-    for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_F32);
+    for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_F32, uly_cuda_local_run);
 }
 
 TEST(layer_bf16_matches_unsharded) {
-    for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_BF16);
+    for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_BF16, uly_cuda_local_run);
 }
 
 TEST(layer_f16_matches_unsharded) {
-    for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_F16);
+    for (int i = 0; i < NLAYER; i++) check_layer(&layer_cases[i], ULY_F16, uly_cuda_local_run);
 }
 
 /* ---------------------------------------------------------------------------------------------
