@@ -199,8 +199,11 @@ BENCH_BINS += $(BUILD)/bench_emu
 # reference attention. test_cuda_layout and test_cuda_layer run under the emulator, plain and
 # ASan (make test), and on a GPU (make test-gpu). make test also builds them and the NCCL example
 # with nvcc for sm_80 and sm_90 (-Werror, -lnccl) and fails if a layout kernel spills.
-CUDA_HDRS  = ulysses.h ulysses_cuda.cuh tests/ref64.h \
-             tests/sp_case.h tests/attn_call.h tests/flash_case.h $(EMU_HDRS)
+# test_nccl runs the NCCL communicator under the emulator against tests/emu/nccl_emu.cpp, an
+# in-process NCCL whose ranks are threads (it needs nccl.h, not libnccl); it has no GPU build,
+# since NCCL refuses two ranks on one GPU: on GPUs the NCCL example runs under MPI.
+CUDA_HDRS  = ulysses.h ulysses_cuda.cuh tests/ref64.h tests/sp_case.h tests/sp_cuda_case.h \
+             tests/attn_call.h tests/flash_case.h $(EMU_HDRS)
 CUDA_TESTS = test_cuda_layout test_cuda_layer
 HAVE_NCCL := $(shell test -f $(CUDA_HOME)/include/nccl.h -o -f /usr/include/nccl.h && echo 1)
 NGPUS     := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
@@ -219,6 +222,20 @@ $(CUDA_TESTS:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: tests/%.cu $(CUDA_HDRS)
 $(BUILD)/gpu/sp_attention_nccl: examples/sp_attention_nccl.cu $(CUDA_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) $(MPI_CUFLAGS) -x cu $< -o $@ $(MPI_CULIBS) -lnccl
+$(BUILD)/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
+$(BUILD)/asan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
+$(BUILD)/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_OBJ) \
+                    $(BUILD)/emu/nccl_emu.o
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+$(BUILD)/asan/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_ASAN_OBJ) \
+                         $(BUILD)/asan/emu/nccl_emu.o
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 
 TESTS     += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)
 TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)
@@ -232,6 +249,12 @@ ifeq ($(HAVE_NVCC)$(HAVE_MPI)$(HAVE_NCCL),111)
 TEST_BINS += $(BUILD)/gpu/sp_attention_nccl
 else
 TESTS     += 'skip:NCCL example build (needs nvcc, $(MPICC) and nccl.h)'
+endif
+ifeq ($(HAVE_NCCL),1)
+TESTS     += $(BUILD)/test_nccl $(BUILD)/asan/test_nccl
+TEST_BINS += $(BUILD)/test_nccl $(BUILD)/asan/test_nccl
+else
+TESTS     += 'skip:test_nccl (no nccl.h in $(CUDA_HOME)/include or /usr/include)'
 endif
 GPU_TESTS += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
 GPU_TESTS += 'timeout 600 env $(MPIRUN) -np $(NGPUS) $(BUILD)/gpu/sp_attention_nccl && echo "1 passed, 0 failed"'

@@ -1,0 +1,668 @@
+/* test_nccl.cu - the NCCL communicator of ulysses_cuda.cuh (uly_nccl_comm, uly_nccl_split,
+   uly_nccl_wait), run under the CUDA emulator against tests/emu/nccl_emu.cpp, an in-process
+   NCCL whose ranks are threads (each a thread of uly_local_run with its own communicator).
+
+   - The SP layer over uly_nccl_comm for P = 1..4 equals the same attention run unsharded: the
+     forward bit for bit, the backward within test_cuda_layer's tolerance, and in fp32 the CPU
+     reference (sp_cuda_case.h's check_layer). Where S, H and Hkv divide by P every exchange
+     has one block size and goes through ncclAlltoAll; with uneven S none does, and all go
+     through grouped ncclSend/ncclRecv. The double's call counts prove which path ran.
+   - alltoallv: every byte lands where the counts and offsets say and no other byte is written,
+     for uniform counts, uneven counts with empty blocks, uniform counts with gaps, and counts
+     uniform on one rank only (every rank must still take the same path); a send/recv count
+     mismatch is an error on both ranks, not a hang.
+   - allreduce_sum: device memory directly, host memory through scratch in chunks of
+     ULY_NCCL_SCRATCH, every rank getting the same sum; without scratch, host memory and barrier
+     are ULY_EUNSUPPORTED; barrier returns on no rank before every rank has called it.
+   - uly_nccl_split: SP groups of consecutive ranks and DP groups across them (sizes, ranks and
+     members), by ncclCommSplit's color/key rule, checked on the double too; an sp_size that
+     does not divide the world is ULY_EINVAL.
+   - Errors: a failing ncclSend, ncclAlltoAll or ncclAllReduce is ULY_ECOMM quoting NCCL's error
+     string and last error; an asynchronous error fails the next call, and uly_nccl_wait reports
+     it and aborts the communicator; so does a stream not done within the timeout; NULL
+     arguments are ULY_EINVAL.
+
+   Emulator only: NCCL refuses two ranks on one GPU, so this cannot run on a single real GPU.
+   The NCCL code on GPUs is make test-gpu's MPI run of examples/sp_attention_nccl.cu. */
+#include "emu/cuda_emu.h"
+#include <nccl.h>
+#include "emu/nccl_emu.h"
+#define ULYSSES_NCCL
+#define ULYSSES_IMPLEMENTATION
+#include "../ulysses_cuda.cuh"
+#include "check.h"
+#include "ref64.h"
+#include "sp_case.h"
+#include "sp_cuda_case.h"
+
+#include <time.h>
+
+/* The injected failures' last error. */
+static const char *const kFaultMsg = "emulated: the connection to rank 1 closed";
+
+static unsigned long long calls(const char *call) { return uly_emu_nccl_calls(call); }
+
+static ncclComm_t nccl_of(const uly_comm *c) { return ((const uly_nccl *)c->ctx)->comm; }
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Ranks on NCCL: the threads of uly_local_run, each a rank of one NCCL communicator */
+
+typedef struct nccl_job {
+    ncclUniqueId id;
+    void (*fn)(const uly_comm *comm, void *user);
+    void *user;
+    uly_status st[4];
+} nccl_job;
+
+static void nccl_rank(const uly_comm *local, void *user) {
+    nccl_job *j = (nccl_job *)user;
+    ncclComm_t comm = NULL;
+    if (ncclCommInitRank(&comm, local->size, j->id, local->rank) != ncclSuccess) {
+        CHECK(0, "rank %d: ncclCommInitRank: %s", local->rank, ncclGetLastError(NULL));
+        return;
+    }
+    double *scratch = NULL;
+    cudaMalloc((void **)&scratch, ULY_NCCL_SCRATCH * sizeof(double));
+    uly_nccl n = {comm, scratch};
+    uly_comm c;
+    j->st[local->rank] = uly_nccl_comm(&n, &c);
+    if (!j->st[local->rank].code) j->fn(&c, j->user);
+    if (!uly_emu_nccl_aborted(comm)) ncclCommDestroy(comm); /* ncclCommAbort freed it */
+    cudaFree(scratch);
+}
+
+/* fn on `size` ranks of a new NCCL communicator, each with ULY_NCCL_SCRATCH doubles of scratch
+   (an sp_runner); the first error of the run. */
+static uly_status nccl_run(int size, void (*fn)(const uly_comm *comm, void *user), void *user) {
+    nccl_job j;
+    memset(&j, 0, sizeof j);
+    j.fn = fn, j.user = user;
+    ncclGetUniqueId(&j.id);
+    uly_status st = uly_local_run(size, nccl_rank, &j);
+    for (int r = 0; r < size && !st.code; r++) st = j.st[r];
+    return st;
+}
+
+/* An injected failure: the next `call` on every rank's communicator returns r. */
+typedef struct fault {
+    const char *call;
+    ncclResult_t r;
+} fault;
+
+static void inject(const uly_comm *c, const fault *f) {
+    if (f->call) uly_emu_nccl_fail(nccl_of(c), f->call, f->r, kFaultMsg);
+}
+
+/* st is ULY_ECOMM with what NCCL's caller, NCCL's string for r and the last error say. */
+static void check_ecomm(uly_status st, int rank, const char *what, ncclResult_t r,
+                        const char *last) {
+    CHECK(st.code == ULY_ECOMM && strstr(st.msg, what) && strstr(st.msg, ncclGetErrorString(r)) &&
+              strstr(st.msg, last),
+          "rank %d: code %d '%s', want ULY_ECOMM with '%s', '%s' and '%s'", rank, (int)st.code,
+          st.msg, what, ncclGetErrorString(r), last);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The SP layer over NCCL */
+
+/* P, B, S, H, Hkv, D, causal, fused, scale. The first four divide S, H and Hkv by P; the others
+   split S unevenly. */
+static const sp_case layer_cases[] = {
+    {1, 2, 7, 4, 2, 8, 1, 1, 0},     /* one rank: the exchanges are copies to itself */
+    {2, 1, 16, 4, 4, 8, 1, 0, 0},    /* MHA */
+    {2, 2, 12, 4, 2, 8, 0, 1, 0},    /* GQA, B = 2, fused QKV */
+    {4, 1, 16, 8, 4, 8, 1, 0, 0},    /* GQA over four ranks */
+    {2, 1, 7, 3, 1, 8, 1, 1, 0},     /* MQA, uneven H too */
+    {3, 2, 17, 6, 2, 8, 1, 0, 0},    /* g = 3 over H_r = 2: a GQA group split across ranks */
+    {4, 2, 67, 8, 2, 16, 1, 1, 0},   /* Hkv < P: replicated kv heads, summed gradients */
+    {4, 1, 9, 6, 3, 8, 1, 0, 0.3f},  /* H_r = 2, 2, 1, 1; explicit scale */
+};
+enum { NLAYER = sizeof layer_cases / sizeof *layer_cases };
+
+/* check_layer over NCCL, and the path: with S, H and Hkv divisible by P every block of every
+   exchange has one size, so ncclAlltoAll and no ncclSend; with S uneven the ranks' blocks
+   differ in every exchange, so ncclSend/ncclRecv only. */
+static void check_nccl_layer(const sp_case *c, uly_dtype t) {
+    const unsigned long long a0 = calls("ncclAlltoAll"), s0 = calls("ncclSend");
+    const unsigned long long r0 = calls("ncclRecv");
+    check_layer(c, t, nccl_run);
+    const unsigned long long a = calls("ncclAlltoAll") - a0, s = calls("ncclSend") - s0;
+    const unsigned long long r = calls("ncclRecv") - r0;
+    const int even = c->S % c->P == 0 && c->H % c->P == 0 && c->Hkv % c->P == 0;
+    const int uneven = c->S % c->P != 0;
+    CHECK(even ? a > 0 && s == 0 && r == 0 : uneven && a == 0 && s > 0 && r == s,
+          SP_CASE_FMT ": %llu ncclAlltoAll, %llu ncclSend, %llu ncclRecv calls; want %s",
+          SP_CASE_ARGS(c), a, s, r, even ? "ncclAlltoAll only" : "ncclSend/ncclRecv only");
+}
+
+TEST(layer_over_nccl_f32_matches_unsharded_and_cpu) {
+    for (int i = 0; i < NLAYER; i++) check_nccl_layer(&layer_cases[i], ULY_F32);
+}
+
+TEST(layer_over_nccl_bf16_matches_unsharded) {
+    check_nccl_layer(&layer_cases[2], ULY_BF16); /* ncclAlltoAll */
+    check_nccl_layer(&layer_cases[5], ULY_BF16); /* ncclSend/ncclRecv, split group summed */
+}
+
+/* ---------------------------------------------------------------------------------------------
+   alltoallv
+
+   Rank i sends count(i, j) bytes to rank j, byte b of them (37 i + 11 j + b + 1) mod 256. Each
+   block is followed by `gap` bytes no one writes, in the send and in the receive buffer. */
+
+typedef enum { UNIFORM, UNEVEN, GAPPED, RANK0_UNIFORM } a2a_shape;
+
+static int64_t a2a_count(a2a_shape s, int i, int j) {
+    switch (s) {
+    case UNEVEN: return (i + 2 * j) % 4;
+    case RANK0_UNIFORM: return i && j ? 1 + 2 * (i == j) : 2; /* rank 0's row and column: 2 */
+    default: return 5;
+    }
+}
+static int64_t a2a_gap(a2a_shape s) { return s == UNEVEN ? 1 : s == GAPPED ? 3 : 0; }
+static unsigned char a2a_byte(int i, int j, int64_t b) {
+    return (unsigned char)(37 * i + 11 * j + b + 1);
+}
+
+enum { A2A_BYTES = 64, UNTOUCHED = 0xee };
+
+/* One exchange on c; the received bytes that are not what the counts say (mismatch: rank 1
+   expects one byte more from rank 0, and nothing is compared). */
+static uly_status exchange(const uly_comm *c, a2a_shape shape, int mismatch, int64_t *wrong) {
+    const int P = c->size, r = c->rank;
+    const int64_t gap = a2a_gap(shape);
+    int64_t sc[4], so[4], rc[4], ro[4], at = 0, from = 0;
+    unsigned char host[A2A_BYTES];
+    memset(host, 0, sizeof host);
+    for (int q = 0; q < P; q++) {
+        sc[q] = a2a_count(shape, r, q), so[q] = at, at += sc[q] + gap;
+        rc[q] = a2a_count(shape, q, r) + (mismatch && r == 1 && q == 0), ro[q] = from;
+        from += rc[q] + gap;
+        for (int64_t b = 0; b < sc[q]; b++) host[so[q] + b] = a2a_byte(r, q, b);
+    }
+    void *send, *recv;
+    cudaStream_t s;
+    cudaMalloc(&send, A2A_BYTES), cudaMalloc(&recv, A2A_BYTES);
+    cudaMemcpy(send, host, A2A_BYTES, cudaMemcpyHostToDevice);
+    cudaMemset(recv, UNTOUCHED, A2A_BYTES);
+    cudaStreamCreate(&s);
+    uly_status st = c->alltoallv(c->ctx, send, sc, so, recv, rc, ro, s);
+    cudaStreamSynchronize(s);
+    cudaMemcpy(host, recv, A2A_BYTES, cudaMemcpyDeviceToHost);
+    for (int64_t b = 0; b < A2A_BYTES && !mismatch; b++) {
+        int want = UNTOUCHED;
+        for (int q = 0; q < P; q++)
+            if (b >= ro[q] && b < ro[q] + rc[q]) want = a2a_byte(q, r, b - ro[q]);
+        *wrong += host[b] != want;
+    }
+    cudaStreamDestroy(s);
+    cudaFree(send), cudaFree(recv);
+    return st;
+}
+
+typedef struct a2a_job {
+    a2a_shape shape;
+    int mismatch;
+    fault f;
+    uly_status st[4];
+    int64_t wrong[4];
+} a2a_job;
+
+static void a2a_main(const uly_comm *c, void *user) {
+    a2a_job *j = (a2a_job *)user;
+    inject(c, &j->f);
+    j->st[c->rank] = exchange(c, j->shape, j->mismatch, &j->wrong[c->rank]);
+}
+
+/* P = 1..4: the bytes, and the path. A single rank's only block starts at 0, so P = 1 is
+   uniform whatever the shape; so ncclAlltoAll once per rank, or one ncclSend and one ncclRecv
+   per non-empty block. */
+static void check_alltoallv(a2a_shape shape) {
+    for (int P = 1; P <= 4; P++) {
+        a2a_job j;
+        memset(&j, 0, sizeof j);
+        j.shape = shape;
+        const unsigned long long a0 = calls("ncclAlltoAll"), s0 = calls("ncclSend");
+        const unsigned long long r0 = calls("ncclRecv");
+        uly_status st = nccl_run(P, a2a_main, &j);
+        CHECK(!st.code, "P=%d: %s", P, st.msg);
+        for (int r = 0; r < P; r++)
+            CHECK(!j.st[r].code && !j.wrong[r], "P=%d rank %d: '%s', %lld wrong bytes", P, r,
+                  j.st[r].msg, (long long)j.wrong[r]);
+        const int uniform = shape == UNIFORM || P == 1;
+        unsigned long long blocks = 0;
+        for (int a = 0; a < P; a++)
+            for (int b = 0; b < P; b++) blocks += a2a_count(shape, a, b) != 0;
+        const unsigned long long a = calls("ncclAlltoAll") - a0, s = calls("ncclSend") - s0;
+        const unsigned long long r = calls("ncclRecv") - r0;
+        CHECK(uniform ? a == (unsigned)P && s == 0 && r == 0 : a == 0 && s == blocks && r == blocks,
+              "P=%d: %llu ncclAlltoAll, %llu ncclSend, %llu ncclRecv; want %s", P, a, s, r,
+              uniform ? "one ncclAlltoAll per rank" : "one send and recv per non-empty block");
+    }
+}
+
+TEST(alltoallv_uniform_counts_go_through_ncclAlltoAll) { check_alltoallv(UNIFORM); }
+TEST(alltoallv_uneven_counts_and_empty_blocks_go_through_send_recv) { check_alltoallv(UNEVEN); }
+TEST(alltoallv_uniform_counts_with_gaps_go_through_send_recv) { check_alltoallv(GAPPED); }
+
+/* Counts uniform on rank 0 only (its row and column are all 2, while ranks 1.. exchange 1 and 3
+   bytes): a valid alltoallv. ncclAlltoAll is a collective, so every rank must take the same path
+   whatever its own counts say; ranks that choose by their own counts hang in NCCL, and here
+   the double reports the deadlock. */
+TEST(alltoallv_with_counts_uniform_on_one_rank_only) {
+    for (int P = 3; P <= 4; P++) {
+        a2a_job j;
+        memset(&j, 0, sizeof j);
+        j.shape = RANK0_UNIFORM;
+        uly_status st = nccl_run(P, a2a_main, &j);
+        CHECK(!st.code, "P=%d: %s", P, st.msg);
+        for (int r = 0; r < P; r++)
+            CHECK(!j.st[r].code && !j.wrong[r], "P=%d rank %d: '%s', %lld wrong bytes", P, r,
+                  j.st[r].msg, (long long)j.wrong[r]);
+    }
+}
+
+/* Rank 1 expects 3 bytes from rank 0, which sends 2: NCCL would hang; both ends fail. */
+TEST(alltoallv_count_mismatch_is_an_error_on_both_ranks_not_a_hang) {
+    a2a_job j;
+    memset(&j, 0, sizeof j);
+    j.shape = UNEVEN, j.mismatch = 1;
+    uly_status st = nccl_run(2, a2a_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        check_ecomm(j.st[r], r, "alltoallv: ncclGroupEnd", ncclInvalidUsage,
+                    "rank 1 receives 3 bytes from rank 0, which sends 2");
+}
+
+/* ---------------------------------------------------------------------------------------------
+   allreduce_sum and barrier */
+
+/* Rank r's value i. Magnitudes 1e16 apart: the sum depends on the order of the additions. */
+static double sum_value(int r, int64_t i) {
+    return (r % 2 ? 1.0 + (double)i : 1e16) * (r == 2 ? -1 : 1) + 0.25 * r;
+}
+
+enum { SUM_MAX = 150 };
+
+/* The sum of values i over P ranks, added in rank order. */
+static double rank_order_sum(int P, int64_t i) {
+    double s = sum_value(0, i);
+    for (int r = 1; r < P; r++) s += sum_value(r, i);
+    return s;
+}
+
+/* allreduce_sum of n values, in device memory or in host memory; the results into got. */
+static uly_status sum(const uly_comm *c, int64_t n, int on_device, double *got) {
+    for (int64_t i = 0; i < n; i++) got[i] = sum_value(c->rank, i);
+    if (!on_device) return c->allreduce_sum(c->ctx, got, n, NULL);
+    double *dev;
+    cudaMalloc((void **)&dev, (size_t)n * sizeof(double));
+    cudaMemcpy(dev, got, (size_t)n * sizeof(double), cudaMemcpyHostToDevice);
+    uly_status st = c->allreduce_sum(c->ctx, dev, n, NULL);
+    cudaMemcpy(got, dev, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost);
+    cudaFree(dev);
+    return st;
+}
+
+typedef struct sum_job {
+    int64_t n;
+    int on_device;
+    fault f;
+    uly_status st[4];
+    double got[4][SUM_MAX];
+} sum_job;
+
+static void sum_main(const uly_comm *c, void *user) {
+    sum_job *j = (sum_job *)user;
+    inject(c, &j->f);
+    j->st[c->rank] = sum(c, j->n, j->on_device, j->got[c->rank]);
+}
+
+/* P = 1..4: every rank gets the rank-order sum, bit for bit, from `chunks` ncclAllReduce calls
+   per rank. */
+static void check_sum(int64_t n, int on_device, int chunks) {
+    for (int P = 1; P <= 4; P++) {
+        sum_job j;
+        memset(&j, 0, sizeof j);
+        j.n = n, j.on_device = on_device;
+        const unsigned long long a0 = calls("ncclAllReduce");
+        uly_status st = nccl_run(P, sum_main, &j);
+        CHECK(!st.code, "P=%d: %s", P, st.msg);
+        int64_t wrong = 0;
+        for (int r = 0; r < P; r++) {
+            CHECK(!j.st[r].code, "P=%d rank %d: %s", P, r, j.st[r].msg);
+            for (int64_t i = 0; i < n; i++) wrong += j.got[r][i] != rank_order_sum(P, i);
+        }
+        const unsigned long long a = calls("ncclAllReduce") - a0;
+        CHECK(!wrong && a == (unsigned long long)(P * chunks),
+              "P=%d: %lld wrong sums, %llu ncclAllReduce calls (want %d)", P, (long long)wrong, a,
+              P * chunks);
+    }
+}
+
+/* 150 values in one call: device memory needs no scratch. */
+TEST(allreduce_of_device_memory_sums_in_place_in_one_call) { check_sum(SUM_MAX, 1, 1); }
+
+/* 150 values: chunks of 64, 64 and 22 through the scratch buffer. */
+TEST(allreduce_of_host_memory_goes_through_scratch_in_chunks) {
+    check_sum(SUM_MAX, 0, (SUM_MAX + ULY_NCCL_SCRATCH - 1) / ULY_NCCL_SCRATCH);
+}
+
+typedef struct bare_job {
+    uly_status host[4], dev[4], barrier[4];
+    double got[4];
+} bare_job;
+
+/* A second uly_nccl over the rank's communicator, without scratch. */
+static void bare_main(const uly_comm *c, void *user) {
+    bare_job *j = (bare_job *)user;
+    uly_nccl bare = {nccl_of(c), NULL};
+    uly_comm b;
+    if (uly_nccl_comm(&bare, &b).code) return;
+    double host[2] = {1, 2};
+    j->host[c->rank] = b.allreduce_sum(b.ctx, host, 2, NULL);
+    j->barrier[c->rank] = b.barrier(b.ctx);
+    j->dev[c->rank] = sum(&b, 1, 1, &j->got[c->rank]);
+}
+
+TEST(without_scratch_host_memory_and_barrier_are_unsupported) {
+    bare_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, bare_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++) {
+        CHECK(j.host[r].code == ULY_EUNSUPPORTED &&
+                  strstr(j.host[r].msg, "allreduce_sum of host memory: uly_nccl.scratch is NULL"),
+              "rank %d host memory: '%s'", r, j.host[r].msg);
+        CHECK(j.barrier[r].code == ULY_EUNSUPPORTED &&
+                  strstr(j.barrier[r].msg, "barrier: uly_nccl.scratch is NULL"),
+              "rank %d barrier: '%s'", r, j.barrier[r].msg);
+        CHECK(!j.dev[r].code && j.got[r] == rank_order_sum(2, 0),
+              "rank %d device memory needs no scratch: '%s', sum %g", r, j.dev[r].msg, j.got[r]);
+    }
+}
+
+typedef struct barrier_job {
+    int arrived[4];
+    int early[4]; /* ranks not yet arrived when this one left the barrier */
+    uly_status st[4];
+} barrier_job;
+
+static void barrier_main(const uly_comm *c, void *user) {
+    barrier_job *j = (barrier_job *)user;
+    const struct timespec late = {0, 20000000L * c->rank}; /* the last rank comes 60 ms late */
+    nanosleep(&late, NULL);
+    __atomic_store_n(&j->arrived[c->rank], 1, __ATOMIC_SEQ_CST);
+    j->st[c->rank] = c->barrier(c->ctx);
+    for (int q = 0; q < c->size; q++)
+        j->early[c->rank] += !__atomic_load_n(&j->arrived[q], __ATOMIC_SEQ_CST);
+}
+
+TEST(barrier_holds_every_rank_until_all_arrive) {
+    barrier_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(4, barrier_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++)
+        CHECK(!j.st[r].code && !j.early[r], "rank %d: '%s', left while %d ranks had not arrived",
+              r, j.st[r].msg, j.early[r]);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   uly_nccl_split */
+
+typedef struct split_job {
+    int sp_size;
+    uly_status st[4];
+    int size[4][2], rank[4][2]; /* SP, DP */
+    double members[4][2];        /* the sum of 2^(world rank) over the members */
+} split_job;
+
+static void split_main(const uly_comm *c, void *user) {
+    split_job *j = (split_job *)user;
+    const int r = c->rank;
+    ncclComm_t group[2] = {NULL, NULL};
+    j->st[r] = uly_nccl_split(nccl_of(c), j->sp_size, &group[0], &group[1]);
+    for (int g = 0; g < 2 && !j->st[r].code; g++) {
+        uly_nccl n = {group[g], NULL};
+        uly_comm gc;
+        j->st[r] = uly_nccl_comm(&n, &gc);
+        j->size[r][g] = gc.size, j->rank[r][g] = gc.rank;
+        double *dev, one = ldexp(1.0, r);
+        cudaMalloc((void **)&dev, sizeof(double));
+        cudaMemcpy(dev, &one, sizeof one, cudaMemcpyHostToDevice);
+        if (!j->st[r].code) j->st[r] = gc.allreduce_sum(gc.ctx, dev, 1, NULL);
+        cudaMemcpy(&j->members[r][g], dev, sizeof(double), cudaMemcpyDeviceToHost);
+        cudaFree(dev);
+    }
+    ncclCommDestroy(group[0]), ncclCommDestroy(group[1]);
+}
+
+/* World rank r of 4: SP group r / P holds ranks [P (r / P), + P), where r has rank r % P; DP
+   group r % P holds ranks r % P + k P, where r has rank r / P. */
+TEST(split_gives_sp_groups_of_consecutive_ranks_and_dp_groups_across) {
+    const int sizes[] = {1, 2, 4};
+    for (int P : sizes) {
+        split_job j;
+        memset(&j, 0, sizeof j);
+        j.sp_size = P;
+        uly_status st = nccl_run(4, split_main, &j);
+        CHECK(!st.code, "sp_size %d: %s", P, st.msg);
+        for (int r = 0; r < 4; r++) {
+            double sp = 0, dp = 0;
+            for (int q = 0; q < 4; q++) {
+                sp += q / P == r / P ? ldexp(1.0, q) : 0;
+                dp += q % P == r % P ? ldexp(1.0, q) : 0;
+            }
+            CHECK(!j.st[r].code && j.size[r][0] == P && j.rank[r][0] == r % P &&
+                      j.size[r][1] == 4 / P && j.rank[r][1] == r / P && j.members[r][0] == sp &&
+                      j.members[r][1] == dp,
+                  "sp_size %d rank %d: '%s'; SP rank %d of %d, members %g (want %d of %d, %g); "
+                  "DP rank %d of %d, members %g (want %d of %d, %g)", P, r, j.st[r].msg,
+                  j.rank[r][0], j.size[r][0], j.members[r][0], r % P, P, sp, j.rank[r][1],
+                  j.size[r][1], j.members[r][1], r / P, 4 / P, dp);
+        }
+    }
+}
+
+TEST(split_rejects_an_sp_size_that_does_not_divide_the_world) {
+    split_job j;
+    memset(&j, 0, sizeof j);
+    j.sp_size = 3;
+    const unsigned long long s0 = calls("ncclCommSplit");
+    uly_status st = nccl_run(4, split_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++)
+        CHECK(j.st[r].code == ULY_EINVAL &&
+                  strstr(j.st[r].msg, "sp_size (3) must divide the world's size (4)"),
+              "rank %d: '%s'", r, j.st[r].msg);
+    CHECK(calls("ncclCommSplit") == s0, "ncclCommSplit was called");
+}
+
+/* The double itself, on what uly_nccl_split does not exercise: colors {0, 0, 0, NOCOLOR} and
+   keys {1, 0, 1, 9} rank by key, then by old rank: old ranks 1, 0, 2 become 0, 1, 2, and rank
+   3 gets no communicator (NCCL's documented rule). */
+typedef struct color_job {
+    int size[4], rank[4];
+    ncclResult_t r[4];
+    int null[4];
+} color_job;
+
+static void color_main(const uly_comm *c, void *user) {
+    color_job *j = (color_job *)user;
+    const int r = c->rank, color[4] = {0, 0, 0, NCCL_SPLIT_NOCOLOR}, key[4] = {1, 0, 1, 9};
+    ncclComm_t sub = NULL;
+    j->r[r] = ncclCommSplit(nccl_of(c), color[r], key[r], &sub, NULL);
+    j->null[r] = !sub;
+    if (!sub) return;
+    ncclCommCount(sub, &j->size[r]);
+    ncclCommUserRank(sub, &j->rank[r]);
+    ncclCommDestroy(sub);
+}
+
+TEST(nccl_double_split_ranks_by_key_then_old_rank) {
+    color_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(4, color_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    const int want[3] = {1, 0, 2};
+    for (int r = 0; r < 3; r++)
+        CHECK(j.r[r] == ncclSuccess && !j.null[r] && j.size[r] == 3 && j.rank[r] == want[r],
+              "old rank %d: %s, rank %d of %d (want %d of 3)", r, ncclGetErrorString(j.r[r]),
+              j.rank[r], j.size[r], want[r]);
+    CHECK(j.r[3] == ncclSuccess && j.null[3], "NCCL_SPLIT_NOCOLOR: %s, %s communicator",
+          ncclGetErrorString(j.r[3]), j.null[3] ? "no" : "a");
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Errors */
+
+TEST(failing_ncclSend_is_ecomm_with_nccls_message) {
+    a2a_job j;
+    memset(&j, 0, sizeof j);
+    j.shape = UNEVEN, j.f.call = "ncclSend", j.f.r = ncclSystemError;
+    uly_status st = nccl_run(2, a2a_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        check_ecomm(j.st[r], r, "alltoallv: ncclSend/ncclRecv", ncclSystemError, kFaultMsg);
+}
+
+TEST(failing_ncclAlltoAll_is_ecomm_with_nccls_message) {
+    a2a_job j;
+    memset(&j, 0, sizeof j);
+    j.shape = UNIFORM, j.f.call = "ncclAlltoAll", j.f.r = ncclUnhandledCudaError;
+    uly_status st = nccl_run(2, a2a_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        check_ecomm(j.st[r], r, "alltoallv: ncclAlltoAll", ncclUnhandledCudaError, kFaultMsg);
+}
+
+TEST(failing_ncclAllReduce_is_ecomm_with_nccls_message) {
+    const int on_device[2] = {1, 0}; /* directly, and through scratch */
+    for (int d : on_device) {
+        sum_job j;
+        memset(&j, 0, sizeof j);
+        j.n = 3, j.on_device = d, j.f.call = "ncclAllReduce", j.f.r = ncclInternalError;
+        uly_status st = nccl_run(2, sum_main, &j);
+        CHECK(!st.code, "%s", st.msg);
+        for (int r = 0; r < 2; r++)
+            check_ecomm(j.st[r], r, "allreduce_sum: ncclAllReduce", ncclInternalError,
+                        kFaultMsg);
+    }
+}
+
+/* A peer died: every rank's communicator has the asynchronous error (one rank alone would
+   leave the others waiting in the collective, as NCCL would). */
+typedef struct async_job {
+    uly_status next[4], wait[4];
+    int aborted[4];
+} async_job;
+
+static void async_next_main(const uly_comm *c, void *user) {
+    async_job *j = (async_job *)user;
+    int64_t wrong = 0;
+    uly_emu_nccl_async_error(nccl_of(c), ncclRemoteError, kFaultMsg);
+    j->next[c->rank] = exchange(c, UNEVEN, 0, &wrong);
+}
+
+TEST(an_async_error_fails_the_next_call) {
+    async_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, async_next_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        check_ecomm(j.next[r], r, "alltoallv: ncclSend/ncclRecv", ncclRemoteError, kFaultMsg);
+}
+
+/* The stream stalls, as behind a collective waiting on the dead peer. */
+static void async_wait_main(const uly_comm *c, void *user) {
+    async_job *j = (async_job *)user;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    uly_emu_stall_stream(s, true);
+    uly_emu_nccl_async_error(nccl_of(c), ncclRemoteError, kFaultMsg);
+    j->wait[c->rank] = uly_nccl_wait(nccl_of(c), s, 0);
+    j->aborted[c->rank] = uly_emu_nccl_aborted(nccl_of(c));
+    uly_emu_stall_stream(s, false);
+    cudaStreamDestroy(s);
+}
+
+TEST(wait_reports_an_async_error_and_aborts_the_communicator) {
+    async_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, async_wait_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++) {
+        check_ecomm(j.wait[r], r, "uly_nccl_wait", ncclRemoteError, kFaultMsg);
+        CHECK(j.aborted[r], "rank %d: the communicator was not aborted", r);
+    }
+}
+
+typedef struct timeout_job {
+    uly_status idle[4], stalled[4];
+    double waited[4];
+    int aborted_idle[4], aborted[4];
+} timeout_job;
+
+static void timeout_main(const uly_comm *c, void *user) {
+    timeout_job *j = (timeout_job *)user;
+    const int r = c->rank;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    j->idle[r] = uly_nccl_wait(nccl_of(c), s, 0.05);
+    j->aborted_idle[r] = uly_emu_nccl_aborted(nccl_of(c));
+    uly_emu_stall_stream(s, true);
+    const double t0 = seconds();
+    j->stalled[r] = uly_nccl_wait(nccl_of(c), s, 0.05);
+    j->waited[r] = seconds() - t0;
+    j->aborted[r] = uly_emu_nccl_aborted(nccl_of(c));
+    uly_emu_stall_stream(s, false);
+    cudaStreamDestroy(s);
+}
+
+TEST(wait_gives_up_on_a_stalled_stream_after_the_timeout_and_aborts) {
+    timeout_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, timeout_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++) {
+        CHECK(!j.idle[r].code && !j.aborted_idle[r], "rank %d, a finished stream: '%s'%s", r,
+              j.idle[r].msg, j.aborted_idle[r] ? ", aborted" : "");
+        CHECK(j.stalled[r].code == ULY_ECOMM && strstr(j.stalled[r].msg, "not done after") &&
+                  j.aborted[r] && j.waited[r] >= 0.05,
+              "rank %d: '%s' after %.3f s, %s", r, j.stalled[r].msg, j.waited[r],
+              j.aborted[r] ? "aborted" : "not aborted");
+    }
+}
+
+TEST(null_arguments_are_einval) {
+    ncclUniqueId id;
+    ncclComm_t world, sp, dp;
+    ncclGetUniqueId(&id);
+    CHECK(ncclCommInitRank(&world, 1, id, 0) == ncclSuccess, "%s", ncclGetLastError(NULL));
+    uly_nccl n = {world, NULL}, none = {NULL, NULL};
+    uly_comm c;
+    const struct {
+        uly_status st;
+        const char *msg;
+    } cases[] = {
+        {uly_nccl_comm(NULL, &c), "uly_nccl_comm: n is NULL"},
+        {uly_nccl_comm(&n, NULL), "uly_nccl_comm: out is NULL"},
+        {uly_nccl_comm(&none, &c), "uly_nccl_comm: n->comm is NULL"},
+        {uly_nccl_split(NULL, 1, &sp, &dp), "uly_nccl_split: world is NULL"},
+        {uly_nccl_split(world, 1, NULL, &dp), "uly_nccl_split: sp is NULL"},
+        {uly_nccl_split(world, 1, &sp, NULL), "uly_nccl_split: dp is NULL"},
+    };
+    for (const auto &k : cases)
+        CHECK(k.st.code == ULY_EINVAL && strstr(k.st.msg, k.msg), "'%s', want ULY_EINVAL '%s'",
+              k.st.msg, k.msg);
+    ncclCommDestroy(world);
+}
+
+int main(void) { return uly_run_tests(); }
