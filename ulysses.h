@@ -174,6 +174,12 @@ typedef struct uly_comm {
     uly_status (*alltoallv)(void *ctx, const void *send, const int64_t *send_counts,
                             const int64_t *send_offs, void *recv, const int64_t *recv_counts,
                             const int64_t *recv_offs, void *stream);
+    /* Optional (NULL: alltoallv moves everything). The exchange in which every block of every
+       rank has one size: send[j * bytes, +bytes) to peer j, received at recv[i * bytes, +bytes)
+       from sender i. The layer calls it only where the plan makes that true on every rank, so
+       it may be a collective that all ranks must choose alike (ncclAlltoAll); alltoallv must
+       not be one, since a rank sees only its own counts. */
+    uly_status (*alltoall)(void *ctx, const void *send, void *recv, int64_t bytes, void *stream);
     /* buf[0, n) = sum over ranks, in place. */
     uly_status (*allreduce_sum)(void *ctx, double *buf, int64_t n, void *stream);
     uly_status (*barrier)(void *ctx);
@@ -590,6 +596,16 @@ ULYDEF void uly_exchange_counts(const uly_plan *p, uly_xchg x, int64_t *send_cou
         send_offs[j] = sent, recv_offs[j] = got;
         sent += send_counts[j], got += recv_counts[j];
     }
+}
+
+/* Every block of exchange x on every rank has one size. It depends on the plan only, so every
+   rank finds the same (what a collective all-to-all needs). */
+static int uly__uniform(const uly_plan *p, uly_xchg x) {
+    for (int j = 1; j < p->desc.sp_size; j++)
+        if (uly_tokens(p, j).count != uly_tokens(p, 0).count ||
+            uly__xheads(p, x, j).count != uly__xheads(p, x, 0).count)
+            return 0;
+    return 1;
 }
 
 /* Sums of the counts: [0] sent, [1] received. */
@@ -1624,7 +1640,9 @@ static uly_status uly__exchange(const uly_layer *l, uly_xchg x, uly_tensor src, 
     }
     uly_exchange_counts(p, x, sc, so, rc, ro);
     uly__phase(l, ULY_PHASE_EXCHANGE, 0);
-    st = l->comm->alltoallv(l->comm->ctx, send, sc, so, recv, rc, ro, l->stream);
+    st = l->comm->alltoall && uly__uniform(p, x)
+             ? l->comm->alltoall(l->comm->ctx, send, recv, sc[0], l->stream)
+             : l->comm->alltoallv(l->comm->ctx, send, sc, so, recv, rc, ro, l->stream);
     uly__phase(l, ULY_PHASE_EXCHANGE, 1);
     if (st.code || recv != w->recv) return st;
     uly__phase(l, ULY_PHASE_UNPACK, 0);

@@ -45,8 +45,9 @@
 
        Communicators (uly_comm with device = 1: buffers are GPU memory, work on the given stream):
            uly_cuda_local_run   P virtual ranks on the current GPU, as threads (tests, benchmarks)
-           uly_nccl_comm        NCCL (ULYSSES_NCCL): ncclAlltoAll (NCCL >= 2.28) when every peer
-                                gets the same count, grouped ncclSend/ncclRecv otherwise
+           uly_nccl_comm        NCCL (ULYSSES_NCCL): alltoallv as grouped ncclSend/ncclRecv;
+                                alltoall, which the layer calls where every block of every rank
+                                has one size, as ncclAlltoAll (NCCL >= 2.28)
            uly_nccl_split       SP and DP communicators from a world one (ncclCommSplit)
            uly_nccl_wait        waits for a stream while watching NCCL's asynchronous errors
 
@@ -119,14 +120,17 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
 /* An NCCL communicator over `comm` (one SP group, one GPU per rank). NCCL moves GPU memory
    only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier go through `scratch`,
    ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL: they return
-   ULY_EUNSUPPORTED), and wait for the stream. Failures return ULY_ECOMM with NCCL's message. */
+   ULY_EUNSUPPORTED), and wait for the stream. Failures return ULY_ECOMM with NCCL's message;
+   after an asynchronous one (a peer or the network failed) the communicator is unusable and
+   must be aborted (ncclCommAbort), as uly_nccl_wait does. */
 enum { ULY_NCCL_SCRATCH = 64 };
 typedef struct uly_nccl {
     ncclComm_t comm;
     double *scratch;
 } uly_nccl;
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
-/* Splits world into SP groups of sp_size consecutive ranks and DP groups across them. */
+/* Splits world into SP groups of sp_size consecutive ranks and DP groups across them (a
+   collective over world). On failure neither is left behind. */
 ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, ncclComm_t *dp);
 /* Waits until the work queued on stream is done, polling NCCL for an asynchronous error (a
    peer that died, a network failure). On such an error, or after timeout_s seconds (0: no
@@ -900,16 +904,11 @@ static uly_status uly__nccl_async(ncclComm_t comm, const char *what) {
     return async == ncclInProgress ? uly__ok() : uly__nccl(async, comm, what);
 }
 
-/* Every peer gets the same count from the same place in the send and receive buffers: the
-   shape ncclAlltoAll moves. */
-static int uly__uniform(int P, const int64_t *sc, const int64_t *so, const int64_t *rc,
-                        const int64_t *ro) {
-    for (int j = 0; j < P; j++)
-        if (sc[j] != sc[0] || rc[j] != sc[0] || so[j] != j * sc[0] || ro[j] != j * sc[0])
-            return 0;
-    return 1;
-}
-
+/* Grouped ncclSend/ncclRecv even where this rank's counts are uniform: ncclAlltoAll is a
+   collective every rank must call, and a rank sees only its own counts, which can be uniform
+   while a peer's are not (that peer would wait in ncclRecv, forever). Both ends of a pair see
+   the same count, so pairs agree without asking. The layer takes ncclAlltoAll through
+   alltoall, where the plan says every rank's blocks are uniform. */
 static uly_status uly__nccl_alltoallv(void *ctx, const void *send, const int64_t *send_counts,
                                       const int64_t *send_offs, void *recv,
                                       const int64_t *recv_counts, const int64_t *recv_offs,
@@ -919,13 +918,6 @@ static uly_status uly__nccl_alltoallv(void *ctx, const void *send, const int64_t
     int P = 0;
     ULY__TRY(uly__nccl(ncclCommCount(n->comm, &P), n->comm, "alltoallv: ncclCommCount"));
     ULY__TRY(uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs));
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
-    if (uly__uniform(P, send_counts, send_offs, recv_counts, recv_offs)) {
-        ULY__TRY(uly__nccl(ncclAlltoAll(send, recv, (size_t)send_counts[0], ncclUint8, n->comm, s),
-                           n->comm, "alltoallv: ncclAlltoAll"));
-        return uly__nccl_async(n->comm, "alltoallv");
-    }
-#endif
     ULY__TRY(uly__nccl(ncclGroupStart(), n->comm, "alltoallv: ncclGroupStart"));
     ncclResult_t r = ncclSuccess;
     for (int j = 0; j < P && r == ncclSuccess; j++) {
@@ -941,6 +933,18 @@ static uly_status uly__nccl_alltoallv(void *ctx, const void *send, const int64_t
     ULY__TRY(uly__nccl(end, n->comm, "alltoallv: ncclGroupEnd"));
     return uly__nccl_async(n->comm, "alltoallv");
 }
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, int64_t bytes,
+                                     void *stream) {
+    uly_nccl *n = (uly_nccl *)ctx;
+    ULY__CHECK(bytes >= 0 && ((send && recv) || !bytes), ULY_EINVAL, "alltoall: bytes (%lld) "
+               "must be >= 0, and send and recv not NULL", ULY__LL(bytes));
+    ULY__TRY(uly__nccl(ncclAlltoAll(send, recv, (size_t)bytes, ncclUint8, n->comm,
+                                    (cudaStream_t)stream), n->comm, "alltoall: ncclAlltoAll"));
+    return uly__nccl_async(n->comm, "alltoall");
+}
+#endif
 
 static int uly__on_device(const void *p) {
     cudaPointerAttributes a;
@@ -994,6 +998,9 @@ ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
     ULY__TRY(uly__nccl(ncclCommCount(n->comm, &out->size), n->comm, "ncclCommCount"));
     ULY__TRY(uly__nccl(ncclCommUserRank(n->comm, &out->rank), n->comm, "ncclCommUserRank"));
     out->alltoallv = uly__nccl_alltoallv;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    out->alltoall = uly__nccl_alltoall; /* before 2.28, none: the layer uses alltoallv */
+#endif
     out->allreduce_sum = uly__nccl_allreduce;
     out->barrier = uly__nccl_barrier;
     out->ctx = n;
@@ -1011,8 +1018,13 @@ ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, 
                "divide the world's size (%d)", sp_size, size);
     ULY__TRY(uly__nccl(ncclCommSplit(world, rank / sp_size, rank % sp_size, sp, NULL), world,
                        "uly_nccl_split: ncclCommSplit (SP)"));
-    return uly__nccl(ncclCommSplit(world, rank % sp_size, rank / sp_size, dp, NULL), world,
-                     "uly_nccl_split: ncclCommSplit (DP)");
+    const uly_status st = uly__nccl(ncclCommSplit(world, rank % sp_size, rank / sp_size, dp, NULL),
+                                    world, "uly_nccl_split: ncclCommSplit (DP)");
+    if (st.code) { /* all or nothing */
+        ncclCommDestroy(*sp);
+        *sp = NULL;
+    }
+    return st;
 }
 
 ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s) {
@@ -1020,9 +1032,11 @@ ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s)
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {
         const cudaError_t q = cudaStreamQuery((cudaStream_t)stream);
-        if (q == cudaSuccess) return uly__ok();
-        if (q != cudaErrorNotReady) return uly__cuda(q, "uly_nccl_wait: cudaStreamQuery");
-        uly_status st = uly__nccl_async(comm, "uly_nccl_wait");
+        if (q != cudaSuccess && q != cudaErrorNotReady)
+            return uly__cuda(q, "uly_nccl_wait: cudaStreamQuery");
+        uly_status st = uly__nccl_async(comm, "uly_nccl_wait"); /* done is not enough: a peer
+                                                                   may have failed since */
+        if (!st.code && q == cudaSuccess) return st;
         clock_gettime(CLOCK_MONOTONIC, &now);
         const double waited =
             (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);

@@ -4,13 +4,15 @@
 
    - The SP layer over uly_nccl_comm for P = 1..4 equals the same attention run unsharded: the
      forward bit for bit, the backward within test_cuda_layer's tolerance, and in fp32 the CPU
-     reference (sp_cuda_case.h's check_layer). Where S, H and Hkv divide by P every exchange
-     has one block size and goes through ncclAlltoAll; with uneven S none does, and all go
-     through grouped ncclSend/ncclRecv. The double's call counts prove which path ran.
+     reference (sp_cuda_case.h's check_layer). Where S, H and Hkv divide by P every block of
+     every exchange has one size on every rank, and the layer calls alltoall: ncclAlltoAll; with
+     uneven S none does, and alltoallv moves all with grouped ncclSend/ncclRecv. The double's
+     call counts prove which path ran.
    - alltoallv: every byte lands where the counts and offsets say and no other byte is written,
-     for uniform counts, uneven counts with empty blocks, uniform counts with gaps, and counts
-     uniform on one rank only (every rank must still take the same path); a send/recv count
-     mismatch is an error on both ranks, not a hang.
+     through one ncclSend and one ncclRecv per non-empty block, never ncclAlltoAll (a collective
+     all ranks would have to choose alike): for uniform counts, uneven counts with empty blocks,
+     uniform counts with gaps, and counts uniform on one rank only; a send/recv count mismatch
+     is an error on both ranks, not a hang. alltoall: one ncclAlltoAll per rank.
    - allreduce_sum: device memory directly, host memory through scratch in chunks of
      ULY_NCCL_SCRATCH, every rank getting the same sum; without scratch, host memory and barrier
      are ULY_EUNSUPPORTED; barrier returns on no rank before every rank has called it.
@@ -19,8 +21,9 @@
      does not divide the world is ULY_EINVAL.
    - Errors: a failing ncclSend, ncclAlltoAll or ncclAllReduce is ULY_ECOMM quoting NCCL's error
      string and last error; an asynchronous error fails the next call, and uly_nccl_wait reports
-     it and aborts the communicator; so does a stream not done within the timeout; NULL
-     arguments are ULY_EINVAL.
+     it (on a stalled stream and on a finished one) and aborts the communicator; so does a
+     stream not done within the timeout; a failed DP split leaves no SP communicator behind;
+     NULL arguments are ULY_EINVAL.
 
    Emulator only: NCCL refuses two ranks on one GPU, so this cannot run on a single real GPU.
    The NCCL code on GPUs is make test-gpu's MPI run of examples/sp_attention_nccl.cu. */
@@ -126,8 +129,8 @@ static const sp_case layer_cases[] = {
 enum { NLAYER = sizeof layer_cases / sizeof *layer_cases };
 
 /* check_layer over NCCL, and the path: with S, H and Hkv divisible by P every block of every
-   exchange has one size, so ncclAlltoAll and no ncclSend; with S uneven the ranks' blocks
-   differ in every exchange, so ncclSend/ncclRecv only. */
+   exchange has one size, so alltoall's ncclAlltoAll and no ncclSend; with S uneven the ranks'
+   blocks differ in every exchange, so alltoallv's ncclSend/ncclRecv only. */
 static void check_nccl_layer(const sp_case *c, uly_dtype t) {
     const unsigned long long a0 = calls("ncclAlltoAll"), s0 = calls("ncclSend");
     const unsigned long long r0 = calls("ncclRecv");
@@ -220,9 +223,7 @@ static void a2a_main(const uly_comm *c, void *user) {
     j->st[c->rank] = exchange(c, j->shape, j->mismatch, &j->wrong[c->rank]);
 }
 
-/* P = 1..4: the bytes, and the path. A single rank's only block starts at 0, so P = 1 is
-   uniform whatever the shape; so ncclAlltoAll once per rank, or one ncclSend and one ncclRecv
-   per non-empty block. */
+/* P = 1..4: the bytes, and the path: one ncclSend and one ncclRecv per non-empty block. */
 static void check_alltoallv(a2a_shape shape) {
     for (int P = 1; P <= 4; P++) {
         a2a_job j;
@@ -235,26 +236,24 @@ static void check_alltoallv(a2a_shape shape) {
         for (int r = 0; r < P; r++)
             CHECK(!j.st[r].code && !j.wrong[r], "P=%d rank %d: '%s', %lld wrong bytes", P, r,
                   j.st[r].msg, (long long)j.wrong[r]);
-        const int uniform = shape == UNIFORM || P == 1;
         unsigned long long blocks = 0;
         for (int a = 0; a < P; a++)
             for (int b = 0; b < P; b++) blocks += a2a_count(shape, a, b) != 0;
         const unsigned long long a = calls("ncclAlltoAll") - a0, s = calls("ncclSend") - s0;
         const unsigned long long r = calls("ncclRecv") - r0;
-        CHECK(uniform ? a == (unsigned)P && s == 0 && r == 0 : a == 0 && s == blocks && r == blocks,
-              "P=%d: %llu ncclAlltoAll, %llu ncclSend, %llu ncclRecv; want %s", P, a, s, r,
-              uniform ? "one ncclAlltoAll per rank" : "one send and recv per non-empty block");
+        CHECK(a == 0 && s == blocks && r == blocks,
+              "P=%d: %llu ncclAlltoAll, %llu ncclSend, %llu ncclRecv; want 0, %llu, %llu", P, a,
+              s, r, blocks, blocks);
     }
 }
 
-TEST(alltoallv_uniform_counts_go_through_ncclAlltoAll) { check_alltoallv(UNIFORM); }
+TEST(alltoallv_uniform_counts_go_through_send_recv_too) { check_alltoallv(UNIFORM); }
 TEST(alltoallv_uneven_counts_and_empty_blocks_go_through_send_recv) { check_alltoallv(UNEVEN); }
 TEST(alltoallv_uniform_counts_with_gaps_go_through_send_recv) { check_alltoallv(GAPPED); }
 
 /* Counts uniform on rank 0 only (its row and column are all 2, while ranks 1.. exchange 1 and 3
-   bytes): a valid alltoallv. ncclAlltoAll is a collective, so every rank must take the same path
-   whatever its own counts say; ranks that choose by their own counts hang in NCCL, and here
-   the double reports the deadlock. */
+   bytes): a valid alltoallv. A rank that took ncclAlltoAll because its own counts are uniform
+   would wait there for peers in ncclRecv: NCCL hangs, the double reports the deadlock. */
 TEST(alltoallv_with_counts_uniform_on_one_rank_only) {
     for (int P = 3; P <= 4; P++) {
         a2a_job j;
@@ -278,6 +277,46 @@ TEST(alltoallv_count_mismatch_is_an_error_on_both_ranks_not_a_hang) {
     for (int r = 0; r < 2; r++)
         check_ecomm(j.st[r], r, "alltoallv: ncclGroupEnd", ncclInvalidUsage,
                     "rank 1 receives 3 bytes from rank 0, which sends 2");
+}
+
+/* alltoall: rank i sends 5 bytes to each rank j, block j of its buffer. */
+static uly_status exchange_uniform(const uly_comm *c, int64_t *wrong) {
+    const int P = c->size, r = c->rank;
+    enum { N = 5 };
+    unsigned char host[4 * N];
+    for (int q = 0; q < P; q++)
+        for (int64_t b = 0; b < N; b++) host[q * N + b] = a2a_byte(r, q, b);
+    void *send, *recv;
+    cudaMalloc(&send, sizeof host), cudaMalloc(&recv, sizeof host);
+    cudaMemcpy(send, host, sizeof host, cudaMemcpyHostToDevice);
+    uly_status st = c->alltoall(c->ctx, send, recv, N, NULL);
+    cudaMemcpy(host, recv, sizeof host, cudaMemcpyDeviceToHost);
+    for (int q = 0; q < P; q++)
+        for (int64_t b = 0; b < N; b++) *wrong += host[q * N + b] != a2a_byte(q, r, b);
+    cudaFree(send), cudaFree(recv);
+    return st;
+}
+
+static void a2a_uniform_main(const uly_comm *c, void *user) {
+    a2a_job *j = (a2a_job *)user;
+    inject(c, &j->f);
+    j->st[c->rank] = exchange_uniform(c, &j->wrong[c->rank]);
+}
+
+TEST(alltoall_goes_through_ncclAlltoAll) {
+    for (int P = 1; P <= 4; P++) {
+        a2a_job j;
+        memset(&j, 0, sizeof j);
+        const unsigned long long a0 = calls("ncclAlltoAll"), s0 = calls("ncclSend");
+        uly_status st = nccl_run(P, a2a_uniform_main, &j);
+        CHECK(!st.code, "P=%d: %s", P, st.msg);
+        for (int r = 0; r < P; r++)
+            CHECK(!j.st[r].code && !j.wrong[r], "P=%d rank %d: '%s', %lld wrong bytes", P, r,
+                  j.st[r].msg, (long long)j.wrong[r]);
+        const unsigned long long a = calls("ncclAlltoAll") - a0, s = calls("ncclSend") - s0;
+        CHECK(a == (unsigned)P && s == 0, "P=%d: %llu ncclAlltoAll, %llu ncclSend; want %d, 0", P,
+              a, s, P);
+    }
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -485,6 +524,33 @@ TEST(split_rejects_an_sp_size_that_does_not_divide_the_world) {
     CHECK(calls("ncclCommSplit") == s0, "ncclCommSplit was called");
 }
 
+/* The DP split fails on every rank (the SP one went through): the SP communicator is destroyed
+   and NULL, so a caller that gives up leaks nothing. */
+static void split_fail_main(const uly_comm *c, void *user) {
+    split_job *j = (split_job *)user;
+    ncclComm_t sp = NULL, dp = NULL;
+    uly_emu_nccl_fail(nccl_of(c), "ncclCommSplit", ncclSuccess, "");
+    uly_emu_nccl_fail(nccl_of(c), "ncclCommSplit", ncclInternalError, kFaultMsg);
+    j->st[c->rank] = uly_nccl_split(nccl_of(c), 2, &sp, &dp);
+    j->size[c->rank][0] = sp != NULL, j->size[c->rank][1] = dp != NULL;
+}
+
+TEST(split_that_fails_leaves_no_communicator) {
+    split_job j;
+    memset(&j, 0, sizeof j);
+    const unsigned long long d0 = calls("ncclCommDestroy");
+    uly_status st = nccl_run(4, split_fail_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++) {
+        check_ecomm(j.st[r], r, "ncclCommSplit (DP)", ncclInternalError, kFaultMsg);
+        CHECK(!j.size[r][0] && !j.size[r][1], "rank %d: sp %s, dp %s", r,
+              j.size[r][0] ? "set" : "NULL", j.size[r][1] ? "set" : "NULL");
+    }
+    /* each rank's SP communicator, then its world (nccl_rank) */
+    CHECK(calls("ncclCommDestroy") - d0 == 8, "%llu ncclCommDestroy calls, want 8",
+          calls("ncclCommDestroy") - d0);
+}
+
 /* The double itself, on what uly_nccl_split does not exercise: colors {0, 0, 0, NOCOLOR} and
    keys {1, 0, 1, 9} rank by key, then by old rank: old ranks 1, 0, 2 become 0, 1, 2, and rank
    3 gets no communicator (NCCL's documented rule). */
@@ -536,11 +602,11 @@ TEST(failing_ncclSend_is_ecomm_with_nccls_message) {
 TEST(failing_ncclAlltoAll_is_ecomm_with_nccls_message) {
     a2a_job j;
     memset(&j, 0, sizeof j);
-    j.shape = UNIFORM, j.f.call = "ncclAlltoAll", j.f.r = ncclUnhandledCudaError;
-    uly_status st = nccl_run(2, a2a_main, &j);
+    j.f.call = "ncclAlltoAll", j.f.r = ncclUnhandledCudaError;
+    uly_status st = nccl_run(2, a2a_uniform_main, &j);
     CHECK(!st.code, "%s", st.msg);
     for (int r = 0; r < 2; r++)
-        check_ecomm(j.st[r], r, "alltoallv: ncclAlltoAll", ncclUnhandledCudaError, kFaultMsg);
+        check_ecomm(j.st[r], r, "alltoall: ncclAlltoAll", ncclUnhandledCudaError, kFaultMsg);
 }
 
 TEST(failing_ncclAllReduce_is_ecomm_with_nccls_message) {
@@ -560,6 +626,7 @@ TEST(failing_ncclAllReduce_is_ecomm_with_nccls_message) {
 /* A peer died: every rank's communicator has the asynchronous error (one rank alone would
    leave the others waiting in the collective, as NCCL would). */
 typedef struct async_job {
+    int stall; /* the stream stalls, as behind a collective waiting on the dead peer */
     uly_status next[4], wait[4];
     int aborted[4];
 } async_job;
@@ -580,12 +647,11 @@ TEST(an_async_error_fails_the_next_call) {
         check_ecomm(j.next[r], r, "alltoallv: ncclSend/ncclRecv", ncclRemoteError, kFaultMsg);
 }
 
-/* The stream stalls, as behind a collective waiting on the dead peer. */
 static void async_wait_main(const uly_comm *c, void *user) {
     async_job *j = (async_job *)user;
     cudaStream_t s;
     cudaStreamCreate(&s);
-    uly_emu_stall_stream(s, true);
+    uly_emu_stall_stream(s, j->stall);
     uly_emu_nccl_async_error(nccl_of(c), ncclRemoteError, kFaultMsg);
     j->wait[c->rank] = uly_nccl_wait(nccl_of(c), s, 0);
     j->aborted[c->rank] = uly_emu_nccl_aborted(nccl_of(c));
@@ -593,14 +659,19 @@ static void async_wait_main(const uly_comm *c, void *user) {
     cudaStreamDestroy(s);
 }
 
+/* Stalled or finished: a finished stream does not mean the peers are well. */
 TEST(wait_reports_an_async_error_and_aborts_the_communicator) {
-    async_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, async_wait_main, &j);
-    CHECK(!st.code, "%s", st.msg);
-    for (int r = 0; r < 2; r++) {
-        check_ecomm(j.wait[r], r, "uly_nccl_wait", ncclRemoteError, kFaultMsg);
-        CHECK(j.aborted[r], "rank %d: the communicator was not aborted", r);
+    for (int stall = 1; stall >= 0; stall--) {
+        async_job j;
+        memset(&j, 0, sizeof j);
+        j.stall = stall;
+        uly_status st = nccl_run(2, async_wait_main, &j);
+        CHECK(!st.code, "%s", st.msg);
+        for (int r = 0; r < 2; r++) {
+            check_ecomm(j.wait[r], r, "uly_nccl_wait", ncclRemoteError, kFaultMsg);
+            CHECK(j.aborted[r], "rank %d (%s stream): the communicator was not aborted", r,
+                  stall ? "stalled" : "finished");
+        }
     }
 }
 

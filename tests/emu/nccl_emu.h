@@ -4,7 +4,8 @@
 #ifndef ULY_NCCL_EMU_H
 #define ULY_NCCL_EMU_H
 
-// The next call of `call` on comm returns r, and ncclGetLastError then gives msg. Once.
+// The next call of `call` on comm returns r, and ncclGetLastError then gives msg. Once; faults
+// queue, and one with r = ncclSuccess lets its call through (to fail a later one).
 void uly_emu_nccl_fail(ncclComm_t comm, const char *call, ncclResult_t r, const char *msg);
 
 // From now on ncclCommGetAsyncError reports r on comm (ncclRemoteError: a peer died), and NCCL
