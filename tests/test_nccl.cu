@@ -114,13 +114,14 @@ static void check_ecomm(uly_status st, int rank, const char *what, ncclResult_t 
 /* ---------------------------------------------------------------------------------------------
    The SP layer over NCCL */
 
-/* P, B, S, H, Hkv, D, causal, fused, scale. The first four divide S, H and Hkv by P; the others
-   split S unevenly. */
+/* P, B, S, H, Hkv, D, causal, fused, scale. The first five divide S and H by P, and give every
+   rank as many kv heads; the others split S unevenly. */
 static const sp_case layer_cases[] = {
     {1, 2, 7, 4, 2, 8, 1, 1, 0},     /* one rank: the exchanges are copies to itself */
     {2, 1, 16, 4, 4, 8, 1, 0, 0},    /* MHA */
     {2, 2, 12, 4, 2, 8, 0, 1, 0},    /* GQA, B = 2, fused QKV */
     {4, 1, 16, 8, 4, 8, 1, 0, 0},    /* GQA over four ranks */
+    {4, 1, 16, 8, 2, 8, 0, 1, 0},    /* Hkv < P: each kv head on two ranks, dK/dV copies summed */
     {2, 1, 7, 3, 1, 8, 1, 1, 0},     /* MQA, uneven H too */
     {3, 2, 17, 6, 2, 8, 1, 0, 0},    /* g = 3 over H_r = 2: a GQA group split across ranks */
     {4, 2, 67, 8, 2, 16, 1, 1, 0},   /* Hkv < P: replicated kv heads, summed gradients */
@@ -128,16 +129,26 @@ static const sp_case layer_cases[] = {
 };
 enum { NLAYER = sizeof layer_cases / sizeof *layer_cases };
 
-/* check_layer over NCCL, and the path: with S, H and Hkv divisible by P every block of every
-   exchange has one size, so alltoall's ncclAlltoAll and no ncclSend; with S uneven the ranks'
-   blocks differ in every exchange, so alltoallv's ncclSend/ncclRecv only. */
+/* Whether every rank has as many kv heads: with H % P == 0 rank r has query heads
+   [r H/P, (r+1) H/P), and needs the kv heads of their groups. */
+static int kv_even(const sp_case *c) {
+    const int64_t hr = c->H / c->P, g = c->H / c->Hkv;
+    for (int r = 1; r < c->P; r++)
+        if ((r * hr + hr - 1) / g - r * hr / g != (hr - 1) / g) return 0;
+    return 1;
+}
+
+/* check_layer over NCCL, and the path: with S and H divisible by P and as many kv heads on every
+   rank, every block of every exchange has one size, so alltoall's ncclAlltoAll and no
+   ncclSend; with S uneven the ranks' blocks differ in every exchange, so alltoallv's
+   ncclSend/ncclRecv only. */
 static void check_nccl_layer(const sp_case *c, uly_dtype t) {
     const unsigned long long a0 = calls("ncclAlltoAll"), s0 = calls("ncclSend");
     const unsigned long long r0 = calls("ncclRecv");
     check_layer(c, t, nccl_run);
     const unsigned long long a = calls("ncclAlltoAll") - a0, s = calls("ncclSend") - s0;
     const unsigned long long r = calls("ncclRecv") - r0;
-    const int even = c->S % c->P == 0 && c->H % c->P == 0 && c->Hkv % c->P == 0;
+    const int even = c->S % c->P == 0 && c->H % c->P == 0 && kv_even(c);
     const int uneven = c->S % c->P != 0;
     CHECK(even ? a > 0 && s == 0 && r == 0 : uneven && a == 0 && s > 0 && r == s,
           SP_CASE_FMT ": %llu ncclAlltoAll, %llu ncclSend, %llu ncclRecv calls; want %s",
@@ -150,7 +161,8 @@ TEST(layer_over_nccl_f32_matches_unsharded_and_cpu) {
 
 TEST(layer_over_nccl_bf16_matches_unsharded) {
     check_nccl_layer(&layer_cases[2], ULY_BF16); /* ncclAlltoAll */
-    check_nccl_layer(&layer_cases[5], ULY_BF16); /* ncclSend/ncclRecv, split group summed */
+    check_nccl_layer(&layer_cases[4], ULY_BF16); /* ncclAlltoAll, replicated kv summed */
+    check_nccl_layer(&layer_cases[6], ULY_BF16); /* ncclSend/ncclRecv, split group summed */
 }
 
 /* ---------------------------------------------------------------------------------------------
