@@ -268,6 +268,17 @@ $(CUDA_BENCHES:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: bench/%.cu bench/bench_cuda.h 
 GPU_BINS    += $(CUDA_BENCHES:%=$(BUILD)/gpu/%)
 GPU_BENCHES += $(CUDA_BENCHES:%=$(BUILD)/gpu/%)
 
+# The same benchmarks under the emulator, run once at a tiny size by make test: a smoke check
+# (every call succeeds, the table prints; the times mean nothing), so that a lent GPU's time is
+# not spent finding out that a benchmark does not run.
+$(CUDA_BENCHES:%=$(BUILD)/emu/%): $(BUILD)/emu/%: bench/%.cu bench/bench_cuda.h $(CUDA_HDRS) \
+                                                  $(EMU_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
+TESTS     += '$(BUILD)/emu/bench_layout 1 && echo "1 passed, 0 failed"'
+TESTS     += '$(BUILD)/emu/bench_layer 256 && echo "1 passed, 0 failed"'
+TEST_BINS += $(CUDA_BENCHES:%=$(BUILD)/emu/%)
+
 # --- attention kernels ---
 # The flash kernels (ulysses_cuda.cuh). test_flash checks them against fp64, plain-precision
 # and CPU references: under the emulator, plain and ASan builds (make test), and on a GPU (make
