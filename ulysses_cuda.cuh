@@ -230,7 +230,7 @@ static __device__ __forceinline__ void uly_mma_m16n8k16(float d[4], const uint32
     static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
                   "mma operands are bf16 or half");
 #ifdef ULY_EMU
-    uly_emu_mma(16, std::is_same<T, __half>::value ? ULY_EMU_F16 : ULY_EMU_BF16, d, a, b, c);
+    uly_emu_mma(std::is_same<T, __half>::value ? ULY_EMU_F16 : ULY_EMU_BF16, d, a, b, c);
 #else
     // The instruction names its operand type; one asm statement per shape, the type spliced in.
 #define ULY__MMA_16816(ty)                                                                        \
@@ -242,26 +242,6 @@ static __device__ __forceinline__ void uly_mma_m16n8k16(float d[4], const uint32
     if constexpr (std::is_same<T, __half>::value) ULY__MMA_16816("f16");
     else ULY__MMA_16816("bf16");
 #undef ULY__MMA_16816
-#endif
-}
-
-// mma.sync.aligned.m16n8k8.row.col.f32.T.T.f32. d may alias c.
-template <typename T>
-static __device__ __forceinline__ void uly_mma_m16n8k8(float d[4], const uint32_t a[2],
-                                                       const uint32_t b[1], const float c[4]) {
-    static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
-                  "mma operands are bf16 or half");
-#ifdef ULY_EMU
-    uly_emu_mma(8, std::is_same<T, __half>::value ? ULY_EMU_F16 : ULY_EMU_BF16, d, a, b, c);
-#else
-#define ULY__MMA_1688(ty)                                                                         \
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32." ty "." ty ".f32 "                        \
-                 "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"                                  \
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                 \
-                 : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]))
-    if constexpr (std::is_same<T, __half>::value) ULY__MMA_1688("f16");
-    else ULY__MMA_1688("bf16");
-#undef ULY__MMA_1688
 #endif
 }
 

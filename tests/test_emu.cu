@@ -69,9 +69,9 @@ template <typename T> __host__ __device__ inline uint32_t pack(float lo, float h
 }
 
 // ---------------------------------------------------------------------------------------------
-// Fragment layouts of mma.m16n8k16 and mma.m16n8k8 with .f16/.bf16 inputs and .f32 accumulators,
-// as written in the PTX ISA (sections "Matrix Fragments for mma.m16n8k16 with floating point
-// type" and "Matrix Fragments for mma.m16n8k8"): element ai, bi, ci of a lane's fragment, with
+// Fragment layouts of mma.m16n8k16 with .f16/.bf16 inputs and .f32 accumulators, as written in
+// the PTX ISA (section "Matrix Fragments for mma.m16n8k16 with floating point type"): element
+// ai, bi, ci of a lane's fragment, with
 // groupID = %laneid >> 2 and threadID_in_group = %laneid % 4. Register r holds elements 2r
 // (low half) and 2r+1.
 
@@ -80,77 +80,72 @@ __host__ __device__ inline int thread_in_group(int lane) { return lane % 4; }
 
 // m16n8k16 A (a0..a7): row = groupID for 0 <= i < 2 || 4 <= i < 6, else groupID + 8;
 // col = threadID_in_group * 2 + (i & 1), plus 8 for i >= 4.
-// m16n8k8 A (a0..a3): row = groupID for a0, a1, else groupID + 8;
-// col = threadID_in_group * 2 + (i & 1).
-template <int K> __host__ __device__ inline int a_row(int lane, int i) {
-    if (K == 16) return (i < 2 || (i >= 4 && i < 6)) ? group_id(lane) : group_id(lane) + 8;
-    return i < 2 ? group_id(lane) : group_id(lane) + 8;
+__host__ __device__ inline int a_row(int lane, int i) {
+    return (i < 2 || (i >= 4 && i < 6)) ? group_id(lane) : group_id(lane) + 8;
 }
-template <int K> __host__ __device__ inline int a_col(int lane, int i) {
+__host__ __device__ inline int a_col(int lane, int i) {
     int col = thread_in_group(lane) * 2 + (i & 1);
-    return K == 16 && i >= 4 ? col + 8 : col;
+    return i >= 4 ? col + 8 : col;
 }
 
 // m16n8k16 B (b0..b3): row = threadID_in_group * 2 + (i & 1), plus 8 for i >= 2; col = groupID.
-// m16n8k8 B (b0, b1): row = threadID_in_group * 2 + i; col = groupID.
-template <int K> __host__ __device__ inline int b_row(int lane, int i) {
+__host__ __device__ inline int b_row(int lane, int i) {
     int row = thread_in_group(lane) * 2 + (i & 1);
-    return K == 16 && i >= 2 ? row + 8 : row;
+    return i >= 2 ? row + 8 : row;
 }
 __host__ __device__ inline int b_col(int lane, int) { return group_id(lane); }
 
-// C and D (c0..c3), both shapes: row = groupID for c0, c1, else groupID + 8;
+// C and D (c0..c3): row = groupID for c0, c1, else groupID + 8;
 // col = threadID_in_group * 2 + (i & 1).
 __host__ __device__ inline int c_row(int lane, int i) {
     return i < 2 ? group_id(lane) : group_id(lane) + 8;
 }
 __host__ __device__ inline int c_col(int lane, int i) { return thread_in_group(lane) * 2 + (i & 1); }
 
+enum { MMA_K = 16 }; /* k of m16n8k16 */
+
 // Block e multiplies its own A (16xK, row-major), B (Kx8, row-major) and C (16x8): every lane
 // builds its fragments from the formulas above, and scatters D back with them.
-template <typename T, int K>
+template <typename T>
 __global__ void mma_probe(const float *A, const float *B, const float *C, float *D) {
-    const float *a = A + blockIdx.x * 16 * K, *b = B + blockIdx.x * K * 8;
+    const float *a = A + blockIdx.x * 16 * MMA_K, *b = B + blockIdx.x * MMA_K * 8;
     const float *c = C + blockIdx.x * 128;
     float *d = D + blockIdx.x * 128;
     const int lane = threadIdx.x;
-    uint32_t ra[K / 4], rb[K / 8];
+    uint32_t ra[MMA_K / 4], rb[MMA_K / 8];
     float rc[4], rd[4];
-    for (int r = 0; r < K / 4; r++)
-        ra[r] = pack<T>(a[a_row<K>(lane, 2 * r) * K + a_col<K>(lane, 2 * r)],
-                        a[a_row<K>(lane, 2 * r + 1) * K + a_col<K>(lane, 2 * r + 1)]);
-    for (int r = 0; r < K / 8; r++)
-        rb[r] = pack<T>(b[b_row<K>(lane, 2 * r) * 8 + b_col(lane, 2 * r)],
-                        b[b_row<K>(lane, 2 * r + 1) * 8 + b_col(lane, 2 * r + 1)]);
+    for (int r = 0; r < MMA_K / 4; r++)
+        ra[r] = pack<T>(a[a_row(lane, 2 * r) * MMA_K + a_col(lane, 2 * r)],
+                        a[a_row(lane, 2 * r + 1) * MMA_K + a_col(lane, 2 * r + 1)]);
+    for (int r = 0; r < MMA_K / 8; r++)
+        rb[r] = pack<T>(b[b_row(lane, 2 * r) * 8 + b_col(lane, 2 * r)],
+                        b[b_row(lane, 2 * r + 1) * 8 + b_col(lane, 2 * r + 1)]);
     for (int i = 0; i < 4; i++) rc[i] = c[c_row(lane, i) * 8 + c_col(lane, i)];
-    if constexpr (K == 16) uly_mma_m16n8k16<T>(rd, ra, rb, rc);
-    else uly_mma_m16n8k8<T>(rd, ra, rb, rc);
+    uly_mma_m16n8k16<T>(rd, ra, rb, rc);
     for (int i = 0; i < 4; i++) d[c_row(lane, i) * 8 + c_col(lane, i)] = rd[i];
 }
 
 // A set of mma problems, one per block, and the plain GEMM loop that checks them.
 struct MmaCase {
-    int k;
     std::vector<float> A, B, C;
     std::vector<std::string> names;
 
-    explicit MmaCase(int k_) : k(k_) {}
     size_t count() const { return names.size(); }
     void add(const std::string &name) {
         names.push_back(name);
-        A.resize(count() * 16 * k);
-        B.resize(count() * k * 8);
+        A.resize(count() * 16 * MMA_K);
+        B.resize(count() * MMA_K * 8);
         C.resize(count() * 128);
     }
-    float &a(int m, int i) { return A[(count() - 1) * 16 * k + m * k + i]; }
-    float &b(int i, int n) { return B[(count() - 1) * k * 8 + i * 8 + n]; }
+    float &a(int m, int i) { return A[(count() - 1) * 16 * MMA_K + m * MMA_K + i]; }
+    float &b(int i, int n) { return B[(count() - 1) * MMA_K * 8 + i * 8 + n]; }
     float &c(int m, int n) { return C[(count() - 1) * 128 + m * 8 + n]; }
 };
 
-template <typename T, int K> static void check_mma(const MmaCase &mc) {
+template <typename T> static void check_mma(const MmaCase &mc) {
     float *A = upload(mc.A), *B = upload(mc.B), *C = upload(mc.C);
     float *D = device_zeros<float>(mc.count() * 128);
-    ULY_LAUNCH((mma_probe<T, K>), (unsigned)mc.count(), 32, 0, 0, A, B, C, D);
+    ULY_LAUNCH(mma_probe<T>, (unsigned)mc.count(), 32, 0, 0, A, B, C, D);
     CHECK(launch_error() == cudaSuccess, "launch failed");
     std::vector<float> d = download(D, mc.count() * 128);
     for (size_t e = 0; e < mc.count(); e++) {
@@ -158,8 +153,8 @@ template <typename T, int K> static void check_mma(const MmaCase &mc) {
         for (int m = 0; m < 16; m++)
             for (int n = 0; n < 8; n++) {
                 float want = mc.C[e * 128 + m * 8 + n];
-                for (int i = 0; i < K; i++)
-                    want += mc.A[e * 16 * K + m * K + i] * mc.B[e * K * 8 + i * 8 + n];
+                for (int i = 0; i < MMA_K; i++)
+                    want += mc.A[e * 16 * MMA_K + m * MMA_K + i] * mc.B[e * MMA_K * 8 + i * 8 + n];
                 float got = d[e * 128 + m * 8 + n];
                 if (got != want && bad++ == 0)
                     CHECK(got == want, "%s: D(%d,%d) = %g, want %g", mc.names[e].c_str(), m, n,
@@ -172,44 +167,42 @@ template <typename T, int K> static void check_mma(const MmaCase &mc) {
 // Every element of A, B and C alone (one-hot), against operands whose entries name their
 // position, so a misplaced element shows up as a wrong value at a wrong place; then random
 // small integers, all exact in bf16, half and float.
-template <typename T, int K> static void mma_layout_sweep() {
-    MmaCase mc(K);
+template <typename T> static void mma_layout_sweep() {
+    MmaCase mc;
     for (int m = 0; m < 16; m++)
-        for (int i = 0; i < K; i++) {
+        for (int i = 0; i < MMA_K; i++) {
             mc.add("A element (" + std::to_string(m) + "," + std::to_string(i) + ")");
             mc.a(m, i) = 1;
-            for (int r = 0; r < K; r++)
+            for (int r = 0; r < MMA_K; r++)
                 for (int n = 0; n < 8; n++) mc.b(r, n) = (float)(r * 8 + n + 1);
         }
-    for (int i = 0; i < K; i++)
+    for (int i = 0; i < MMA_K; i++)
         for (int n = 0; n < 8; n++) {
             mc.add("B element (" + std::to_string(i) + "," + std::to_string(n) + ")");
             mc.b(i, n) = 1;
             for (int m = 0; m < 16; m++)
-                for (int r = 0; r < K; r++) mc.a(m, r) = (float)(m * K + r + 1);
+                for (int r = 0; r < MMA_K; r++) mc.a(m, r) = (float)(m * MMA_K + r + 1);
         }
     for (int m = 0; m < 16; m++)
         for (int n = 0; n < 8; n++) {
             mc.add("C element (" + std::to_string(m) + "," + std::to_string(n) + ")");
             mc.c(m, n) = 1000;
-            for (int r = 0; r < K; r++) mc.a(m, r) = mc.b(r, n) = 1;
+            for (int r = 0; r < MMA_K; r++) mc.a(m, r) = mc.b(r, n) = 1;
         }
     for (int t = 0; t < 8; t++) {
         mc.add("random " + std::to_string(t));
         for (int m = 0; m < 16; m++)
-            for (int r = 0; r < K; r++) mc.a(m, r) = (float)small_int(-3, 3);
-        for (int r = 0; r < K; r++)
+            for (int r = 0; r < MMA_K; r++) mc.a(m, r) = (float)small_int(-3, 3);
+        for (int r = 0; r < MMA_K; r++)
             for (int n = 0; n < 8; n++) mc.b(r, n) = (float)small_int(-3, 3);
         for (int m = 0; m < 16; m++)
             for (int n = 0; n < 8; n++) mc.c(m, n) = (float)small_int(-50, 50);
     }
-    check_mma<T, K>(mc);
+    check_mma<T>(mc);
 }
 
-TEST(mma_m16n8k16_bf16_fragment_layouts) { mma_layout_sweep<__nv_bfloat16, 16>(); }
-TEST(mma_m16n8k16_f16_fragment_layouts) { mma_layout_sweep<__half, 16>(); }
-TEST(mma_m16n8k8_bf16_fragment_layouts) { mma_layout_sweep<__nv_bfloat16, 8>(); }
-TEST(mma_m16n8k8_f16_fragment_layouts) { mma_layout_sweep<__half, 8>(); }
+TEST(mma_m16n8k16_bf16_fragment_layouts) { mma_layout_sweep<__nv_bfloat16>(); }
+TEST(mma_m16n8k16_f16_fragment_layouts) { mma_layout_sweep<__half>(); }
 
 // d may alias c: the accumulator is read before it is written.
 __global__ void mma_in_place(float *out) {

@@ -599,7 +599,7 @@ float half_bits_to_float(uint16_t h, int type) {
 // last bits.
 void complete_mma(Worker &w, unsigned warp) {
     Fiber *lane = lanes_of(w, warp);
-    const int k = lane[0].op.b, type = lane[0].op.c;
+    const int k = 16, type = lane[0].op.c;  // m16n8k16
     float A[16][16], B[16][8], C[16][8];
     for (unsigned t = 0; t < 32; t++) {
         const uint32_t *a = static_cast<const uint32_t *>(lane[t].op.in[0]);
@@ -1136,14 +1136,13 @@ uint32_t uly_emu_smem_addr(const void *p) {
     return (uint32_t)off;
 }
 
-void uly_emu_mma(int k, uly_emu_type t, float *d, const uint32_t *a, const uint32_t *b,
+void uly_emu_mma(uly_emu_type t, float *d, const uint32_t *a, const uint32_t *b,
                  const float *c) {
     Fiber *self = current(tw, "mma.sync");
     Worker &w = *tw;
     check_full_warp(w, *self, "mma.sync");
     WarpOp &o = new_op(self, OP_MMA, kFullMask);
     o.pc = __builtin_return_address(0);
-    o.b = k;
     o.c = t;
     o.in[0] = a;
     o.in[1] = b;

@@ -79,7 +79,7 @@ enum uly_emu_type { ULY_EMU_BF16, ULY_EMU_F16 };
 unsigned char *uly_emu_dyn_smem();
 uint32_t uly_emu_lane_id();
 uint32_t uly_emu_smem_addr(const void *p);
-void uly_emu_mma(int k, uly_emu_type t, float *d, const uint32_t *a, const uint32_t *b,
+void uly_emu_mma(uly_emu_type t, float *d, const uint32_t *a, const uint32_t *b,
                  const float *c);
 void uly_emu_ldmatrix(int n, bool trans, uint32_t *r, uint32_t smem_addr);
 void uly_emu_cp_async(uint32_t smem_addr, const void *src, int bytes, int src_bytes);
