@@ -245,6 +245,19 @@ static __device__ __forceinline__ void uly_mma_m16n8k16(float d[4], const uint32
 #endif
 }
 
+// ex2.approx.ftz.f32: 2^x to about 2 ulp, subnormal inputs and results flushed to +-0 (2^-inf
+// is +0). The softmax's exponential: exp2f spends a range test and two multiplies per call on
+// subnormal results, and a probability under 2^-126 adds nothing to a bf16/fp16 product.
+static __device__ __forceinline__ float uly_ex2(float x) {
+#ifdef ULY_EMU
+    return uly_emu_ex2(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
 // ldmatrix.sync.aligned.m8n8.xN{.trans}.shared.b16: N 8x8 matrices of 16-bit elements; lane
 // 8*i + r passes the address of row r of matrix i (16 bytes, 16-byte aligned).
 template <int N, bool TRANS>
@@ -1337,14 +1350,14 @@ template <int MT> struct uly__online_softmax {
                 mx = uly__quad_max(mx);
                 /* A row with no key so far keeps m = -inf: subtract 0 so exp2 gives 0, not NaN. */
                 const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
-                const float corr = exp2f(m[mt][h] * scale_log2 - base);
+                const float corr = uly_ex2(m[mt][h] * scale_log2 - base);
                 m[mt][h] = mx;
                 float sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < NS; nt++)
 #pragma unroll
                     for (int i = 2 * h; i < 2 * h + 2; i++) {
-                        s[mt][nt][i] = exp2f(fmaf(s[mt][nt][i], scale_log2, -base));
+                        s[mt][nt][i] = uly_ex2(fmaf(s[mt][nt][i], scale_log2, -base));
                         sum += s[mt][nt][i];
                     }
                 l[mt][h] = l[mt][h] * corr + sum;
@@ -1382,7 +1395,7 @@ __device__ __forceinline__ void uly__softmax_grad(float (&s)[MT][NT][4], float (
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const float2 q = query(mt, nt, i);
-                const float p = exp2f(fmaf(s[mt][nt][i], scale_log2, -q.x));
+                const float p = uly_ex2(fmaf(s[mt][nt][i], scale_log2, -q.x));
                 s[mt][nt][i] = p;
                 dp[mt][nt][i] = p * (dp[mt][nt][i] - q.y);
             }

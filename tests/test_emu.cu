@@ -672,6 +672,42 @@ TEST(partial_warps_shuffle_among_their_lanes) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// ex2.approx.ftz.f32, as the PTX ISA states it: within 2 ulp of 2^x over the whole range; .ftz
+// reads a subnormal input as zero and flushes a subnormal result to +0; 2^-inf = +0,
+// 2^+-0 = 1, 2^inf = inf, NaN stays NaN.
+
+__global__ void ex2_probe(const float *x, float *y, int n) {
+    const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (i < n) y[i] = uly_ex2(x[i]);
+}
+
+TEST(ex2_follows_the_ptx_isa) {
+    struct Special { float x, want; };
+    const Special special[] = {{-INFINITY, 0.f}, {-0.f, 1.f},    {0.f, 1.f},       {INFINITY, INFINITY},
+                               {-1e-40f, 1.f},   {1e-40f, 1.f},  {-126.5f, 0.f},   {-127.f, 0.f},
+                               {-200.f, 0.f},    {-126.f, 0x1p-126f}};
+    const int ns = (int)(sizeof special / sizeof special[0]);
+    std::vector<float> x;
+    for (const Special &c : special) x.push_back(c.x);
+    x.push_back(NAN);
+    for (int i = 0; i < 4096; i++) x.push_back(-126.f + 253.f * (float)small_int(0, 1 << 20) / (1 << 20));
+    const int n = (int)x.size();
+    float *dx = upload(x), *dy = device_zeros<float>(x.size());
+    ULY_LAUNCH(ex2_probe, (unsigned)(n + 127) / 128, 128, 0, 0, dx, dy, n);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    const std::vector<float> y = download(dy, x.size());
+    for (int i = 0; i < ns; i++)
+        CHECK(y[i] == special[i].want && !std::signbit(y[i]), "2^%g: %g, want %g", x[i], y[i],
+              special[i].want);
+    CHECK(std::isnan(y[ns]), "2^NaN: %g", y[ns]);
+    for (int i = ns + 1; i < n; i++) {
+        const double exact = std::exp2((double)x[i]), ulp = std::ldexp(1.0, std::ilogb(exact) - 23);
+        CHECK(std::fabs(y[i] - exact) <= 2 * ulp, "2^%.9g: %.9g, exact %.17g", x[i], y[i], exact);
+    }
+    cudaFree(dx), cudaFree(dy);
+}
+
+// ---------------------------------------------------------------------------------------------
 // cp.async: groups, zero fill, waits.
 
 // Thread t copies 16 bytes with src_bytes = t % 17 (0 = all zeros), then 8 and 4 bytes whole.

@@ -1151,6 +1151,14 @@ void uly_emu_mma(uly_emu_type t, float *d, const uint32_t *a, const uint32_t *b,
     meet(w, self);
 }
 
+// ex2.approx.ftz.f32: the PTX ISA allows 2 ulp of error; the emulator rounds the exact value
+// once. ftz: a subnormal input counts as zero, a subnormal result becomes +0.
+float uly_emu_ex2(float x) {
+    if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.f;
+    const float y = (float)std::exp2((double)x);
+    return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
+}
+
 void uly_emu_ldmatrix(int n, bool trans, uint32_t *r, uint32_t smem_addr) {
     Fiber *self = current(tw, "ldmatrix");
     Worker &w = *tw;

@@ -85,6 +85,7 @@ void uly_emu_ldmatrix(int n, bool trans, uint32_t *r, uint32_t smem_addr);
 void uly_emu_cp_async(uint32_t smem_addr, const void *src, int bytes, int src_bytes);
 void uly_emu_cp_async_commit();
 void uly_emu_cp_async_wait(int n);
+float uly_emu_ex2(float x);
 
 // Test hooks: the schedule seed in use, the message of the last failed launch (empty if none),
 // and whether failures are printed to stderr (tests of failure detection turn printing off).
