@@ -281,6 +281,35 @@ TEST(ldmatrix_x1_trans_lane_layout) { ldmatrix_layout<1, true>(); }
 TEST(ldmatrix_x2_trans_lane_layout) { ldmatrix_layout<2, true>(); }
 TEST(ldmatrix_x4_trans_lane_layout) { ldmatrix_layout<4, true>(); }
 
+#ifdef ULY_EMU
+// The emulator's count of ldmatrix bank conflicts (tests/test_flash.cu holds the kernels to it)
+// against the bank rule applied by hand: lane l gives row address l * stride.
+__global__ void ldmatrix_rows(int stride) {
+    ULY_DYN_SMEM(unsigned char, smem);
+    uint32_t r[4];
+    uly_ldmatrix<4, false>(r, uly_smem_addr(smem + threadIdx.x * stride));
+}
+
+TEST(ldmatrix_bank_conflicts_are_counted) {
+    const struct { int stride; unsigned long long extra; } cases[] = {
+        {16, 0},   // a matrix's rows are 128 contiguous bytes: 8 groups
+        {144, 0},  // rows padded by 16 bytes: groups 0, 1, ..., 7
+        {128, 28}, // rows a 128-byte line apart: one group, 8 wavefronts per matrix
+        {256, 28},
+        {64, 12},  // groups 0, 4, 0, 4, ...: 4 wavefronts per matrix
+        {0, 0},    // one address: a broadcast
+    };
+    for (const auto &c : cases) {
+        const unsigned long long before = uly_emu_ldmatrix_conflicts();
+        ULY_LAUNCH(ldmatrix_rows, 1, 32, 32 * 256 + 16, 0, c.stride);
+        CHECK(launch_error() == cudaSuccess, "launch failed");
+        const unsigned long long got = uly_emu_ldmatrix_conflicts() - before;
+        CHECK(got == c.extra, "stride %d: %llu extra wavefronts, want %llu", c.stride, got,
+              c.extra);
+    }
+}
+#endif
+
 // The attention pattern: S = Q K^T from ldmatrix(Q) (A) and ldmatrix(K) (B, K stored
 // [key][dim]), S's accumulators repacked as the A operand P, then O = P V from ldmatrix.trans(V)
 // (V stored [key][dim]). Q is 16x16, K 16x16, V 16x8.

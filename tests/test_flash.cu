@@ -113,6 +113,23 @@ TEST(deterministic_is_bitwise_stable) {
     }
 }
 
+#ifdef ULY_EMU
+/* Every ldmatrix of every kernel (forward; backward with atomic and with deterministic dQ) reads
+   each 8 x 8 matrix in one shared-memory wavefront: the tiles' swizzle leaves no bank conflict. */
+TEST(ldmatrix_reads_have_no_bank_conflicts) {
+    for (int64_t D : {64, 128})
+        for (int det : {0, 1}) {
+            fcase c = make_case({1, 130, 130, 2, 1, 1}, D, ULY_BF16);
+            c.deterministic = det;
+            const unsigned long long before = uly_emu_ldmatrix_conflicts();
+            check_case(c);
+            const unsigned long long extra = uly_emu_ldmatrix_conflicts() - before;
+            CHECK(extra == 0, "D=%lld deterministic=%d: %llu extra ldmatrix wavefronts",
+                  (long long)D, det, extra);
+        }
+}
+#endif
+
 /* Packed documents: lengths 1 and several tiles, Sq != Sk per document, causal within each. */
 TEST(varlen_documents) {
     const std::vector<int> cq = {0, 1, 131, 195, 212, 212}, ck = {0, 1, 131, 260, 277, 300};

@@ -245,6 +245,7 @@ thread_local cudaError_t last_error = cudaSuccess;
 thread_local std::string last_failure;
 std::atomic<bool> quiet{false};
 std::atomic<unsigned long long> total_switches{0};
+std::atomic<unsigned long long> ldmatrix_conflicts{0};
 
 unsigned long long splitmix(unsigned long long x) {
     x += 0x9e3779b97f4a7c15ull;
@@ -640,6 +641,24 @@ uint16_t load16(const unsigned char *p) {
     return v;
 }
 
+// The extra wavefronts of one ldmatrix matrix whose row addresses lanes r[0..7] give: the most
+// distinct addresses in one 16-byte bank group, less one.
+int bank_conflicts(const Fiber *r) {
+    int worst = 1;
+    for (int a = 0; a < 8; a++) {
+        const uint32_t x = (uint32_t)r[a].op.value;
+        int n = 0;
+        for (int b = 0; b < 8; b++) {
+            const uint32_t y = (uint32_t)r[b].op.value;
+            bool first = true;  // y's first lane, so a repeated address counts once
+            for (int c = 0; c < b; c++) first = first && (uint32_t)r[c].op.value != y;
+            n += first && y / 16 % 8 == x / 16 % 8;
+        }
+        worst = std::max(worst, n);
+    }
+    return worst - 1;
+}
+
 // ldmatrix.m8n8.b16: lane 8*i + r gives the address of row r of matrix i; lane t receives, of
 // each matrix, row t/4, elements 2*(t%4) and 2*(t%4)+1 (with .trans: of the transposed matrix).
 void complete_ldmatrix(Worker &w, unsigned warp) {
@@ -660,6 +679,7 @@ void complete_ldmatrix(Worker &w, unsigned warp) {
                  who(lane[l]).c_str(), addr, w.smem_size);
         rows[l / 8][l % 8] = w.smem + addr;
     }
+    for (int i = 0; i < n; i++) ldmatrix_conflicts += bank_conflicts(&lane[8 * i]);
     for (unsigned t = 0; t < 32; t++) {
         uint32_t *r = static_cast<uint32_t *>(lane[t].op.out);
         for (int i = 0; i < n; i++) {
@@ -1239,6 +1259,7 @@ const char *uly_emu_last_failure() { return last_failure.c_str(); }
 void uly_emu_set_quiet(bool q) { quiet = q; }
 
 unsigned long long uly_emu_switches() { return total_switches; }
+unsigned long long uly_emu_ldmatrix_conflicts() { return ldmatrix_conflicts; }
 
 // =============================================================================================
 // CUDA runtime subset on host memory. Streams and events are handles (a stream holds only the

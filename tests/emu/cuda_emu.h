@@ -101,6 +101,11 @@ void uly_emu_stall_stream(cudaStream_t s, bool stalled);
 // Cost counters for bench/bench_emu.cu: fiber switches since the process started.
 unsigned long long uly_emu_switches();
 
+// Shared-memory bank conflicts of ldmatrix since the process started: the wavefronts beyond one
+// per 8 x 8 matrix (each matrix's 8 rows of 16 bytes are one wavefront when they fall in distinct
+// 16-byte groups of the 32 four-byte banks; rows that share a group but not an address add one).
+unsigned long long uly_emu_ldmatrix_conflicts();
+
 #define ULY_DYN_SMEM(T, name) T *name = reinterpret_cast<T *>(uly_emu_dyn_smem())
 
 // ---------------------------------------------------------------------------------------------
