@@ -1117,6 +1117,11 @@ __device__ __forceinline__ int64_t uly__fa_lse_index(const uly__fa_params &p, co
     return s.b * p.lse_sb + h * p.lse_sh + s.q0 + row;
 }
 
+/* The query block a block of the forward and dQ grids owns: the last first. Under a causal mask
+   the last query blocks see the most keys, and blocks start in index order, so the grid ends
+   on short blocks instead of long ones. */
+__device__ __forceinline__ int uly__fa_query_block() { return (int)(gridDim.x - 1 - blockIdx.x); }
+
 /* The local kv head of local query head h: (q_head0 + h) / g - q_head0 / g. */
 __device__ __forceinline__ int64_t uly__fa_kv_head(const uly__fa_params &p, int64_t h) {
     return (p.q_head0 + h) / p.kv_group - p.q_head0 / p.kv_group;
@@ -1423,7 +1428,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
     using C = typename uly__fa_traits<D>::fwd;
     constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
-    const int m0 = (int)blockIdx.x * BM;
+    const int m0 = uly__fa_query_block() * BM;
     if (m0 >= s.sq) return;
     const int64_t h = blockIdx.y, hk = uly__fa_kv_head(p, h);
     const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
@@ -1519,7 +1524,9 @@ __global__ void __launch_bounds__(128) uly__flash_bwd_post(const uly__fa_params 
    query head of the kv head's group and each query block that sees these keys, with the keys as
    the rows of every product (so dK and dV stay in registers):
        S^T = K Q^T, dP^T = V dO^T, P^T and dS^T from lse and Dsum,
-       dV += P^T dO, dK += dS^T Q, and (DQ_ATOMIC) dQ += dS K into the fp32 accumulator. */
+       dV += P^T dO, dK += dS^T Q, and (DQ_ATOMIC) dQ += dS K into the fp32 accumulator.
+   Under a causal mask the first key blocks see the most queries, so blocks in index order
+   already start with the long ones. */
 template <typename T, int D, bool DQ_ATOMIC>
 __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     uly__flash_bwd_kv(const uly__fa_params p) {
@@ -1641,7 +1648,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
     using C = typename uly__fa_traits<D>::dq;
     constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
-    const int m0 = (int)blockIdx.x * BM;
+    const int m0 = uly__fa_query_block() * BM;
     if (m0 >= s.sq) return;
     const int64_t h = blockIdx.y, hk = uly__fa_kv_head(p, h);
     const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
