@@ -205,10 +205,20 @@ BENCH_BINS += $(BUILD)/bench_emu
 CUDA_HDRS  = ulysses.h ulysses_cuda.cuh tests/ref64.h tests/sp_case.h tests/sp_cuda_case.h \
              tests/attn_call.h tests/flash_case.h $(EMU_HDRS)
 CUDA_TESTS = test_cuda_layout test_cuda_layer
-HAVE_NCCL := $(shell test -f $(CUDA_HOME)/include/nccl.h -o -f /usr/include/nccl.h && echo 1)
+# NCCL from the toolkit or the system; NCCL_HOME=DIR takes DIR/include/nccl.h and
+# DIR/lib/libnccl.so.2 instead (PyTorch's nvidia/nccl wheel has that layout and no libnccl.so).
+NCCL_HOME ?=
+HAVE_NCCL := $(shell test -f $(CUDA_HOME)/include/nccl.h -o -f /usr/include/nccl.h \
+                     $(if $(NCCL_HOME),-o -f $(NCCL_HOME)/include/nccl.h) && echo 1)
+NCCL_INC   = $(if $(NCCL_HOME),-isystem $(NCCL_HOME)/include)
+NCCL_LIBS  = $(if $(NCCL_HOME),-L$(NCCL_HOME)/lib -Xlinker -rpath=$(NCCL_HOME)/lib) -l:libnccl.so.2
 NGPUS     := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
-MPI_CUFLAGS = $(shell $(MPICC) --showme:compile 2>/dev/null)
-MPI_CULIBS  = $(shell $(MPICC) --showme:link 2>/dev/null)
+# mpicc's flags in nvcc's words: nvcc takes no -pthread (it links libpthread itself) and spells
+# -Wl,X as -Xlinker X.
+MPI_NVCC    = $(patsubst -Wl$(comma)%,-Xlinker %,$(filter-out -pthread,$(1)))
+comma      := ,
+MPI_CUFLAGS = $(call MPI_NVCC,$(shell $(MPICC) --showme:compile 2>/dev/null))
+MPI_CULIBS  = $(call MPI_NVCC,$(shell $(MPICC) --showme:link 2>/dev/null))
 
 $(CUDA_TESTS:%=$(BUILD)/%): $(BUILD)/%: tests/%.cu $(CUDA_HDRS) $(EMU_OBJ)
 	@mkdir -p $(@D)
@@ -221,21 +231,22 @@ $(CUDA_TESTS:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: tests/%.cu $(CUDA_HDRS)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
 $(BUILD)/gpu/sp_attention_nccl: examples/sp_attention_nccl.cu $(CUDA_HDRS)
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCCFLAGS) $(NVARCH) $(MPI_CUFLAGS) -x cu $< -o $@ $(MPI_CULIBS) -lnccl
+	$(NVCC) $(NVCCFLAGS) $(NVARCH) $(NCCL_INC) $(MPI_CUFLAGS) -x cu $< -o $@ $(MPI_CULIBS) \
+	    $(NCCL_LIBS)
 $(BUILD)/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -c $< -o $@
 $(BUILD)/asan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(SAN) -c $< -o $@
 $(BUILD)/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_OBJ) \
                     $(BUILD)/emu/nccl_emu.o
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 $(BUILD)/asan/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_ASAN_OBJ) \
                          $(BUILD)/asan/emu/nccl_emu.o
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 
 TESTS     += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)
 TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)
@@ -257,8 +268,13 @@ else
 TESTS     += 'skip:test_nccl (no nccl.h in $(CUDA_HOME)/include or /usr/include)'
 endif
 GPU_TESTS += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
+GPU_BINS  += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
+ifeq ($(HAVE_MPI)$(HAVE_NCCL),11)
 GPU_TESTS += 'timeout 600 env $(MPIRUN) -np $(NGPUS) $(BUILD)/gpu/sp_attention_nccl && echo "1 passed, 0 failed"'
-GPU_BINS  += $(CUDA_TESTS:%=$(BUILD)/gpu/%) $(BUILD)/gpu/sp_attention_nccl
+GPU_BINS  += $(BUILD)/gpu/sp_attention_nccl
+else
+GPU_TESTS += 'skip:the NCCL example (needs $(MPICC) and nccl.h; see NCCL_HOME)'
+endif
 
 # Layout bandwidth against cudaMemcpyAsync, and the phases of one SP layer on 4 virtual ranks.
 CUDA_BENCHES = bench_layout bench_layer

