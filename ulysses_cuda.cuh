@@ -433,6 +433,37 @@ __device__ __forceinline__ void uly__sum_copies(const uly__boxes &x, int j, int 
     *dst = v;
 }
 
+/* A flat access index of a box as its digits: element e (in accesses) of row r of token s of
+   batch b, the box being [batch][nt][rows][nv]. A thread divides once, for its first index and
+   for the grid's stride, then adds digit by digit: a 64-bit division per access costs more
+   instructions than the access can hide. */
+struct uly__pos {
+    int64_t e, r, s, b;
+};
+
+__device__ __forceinline__ uly__pos uly__pos_of(int64_t i, int64_t nv, int64_t rows, int64_t nt) {
+    uly__pos p;
+    p.e = i % nv, i /= nv;
+    p.r = i % rows, i /= rows;
+    p.s = i % nt, p.b = i / nt;
+    return p;
+}
+
+/* p += d, both with every digit below its radix (b aside), so each digit carries at most once. */
+__device__ __forceinline__ void uly__pos_add(uly__pos &p, const uly__pos &d, int64_t nv,
+                                             int64_t rows, int64_t nt) {
+    p.e += d.e;
+    const int ce = p.e >= nv;
+    p.e -= ce ? nv : 0;
+    p.r += d.r + ce;
+    const int cr = p.r >= rows;
+    p.r -= cr ? rows : 0;
+    p.s += d.s + cr;
+    const int cs = p.s >= nt;
+    p.s -= cs ? nt : 0;
+    p.b += d.b + cs;
+}
+
 /* Grid (blocks, boxes): the blocks of column j stride over box j, W elements per access. */
 template <typename T, int W>
 __global__ void __launch_bounds__(ULY__COPY_THREADS) uly__box_copy(const uly__boxes x) {
@@ -446,13 +477,13 @@ __global__ void __launch_bounds__(ULY__COPY_THREADS) uly__box_copy(const uly__bo
                                 : 0;
     const int64_t row_heads = x.merge ? nh : 1, rows = x.merge ? 1 : nh - h_first;
     const int64_t nv = row_heads * x.dim / W; /* accesses per row */
-    const int64_t n = x.batch * nt * rows * nv;
+    if (x.batch * nt * nv == 0 || rows <= 0) return; /* empty, or all its heads an earlier box's */
     const T *t = (const T *)x.t + t0 * x.ss + h0 * x.sh;
     const T *blk = (const T *)x.buf + x.off[j];
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t e = i % nv * W, r = i / nv;
-        const int64_t h = h_first + r % rows, bs = r / rows, s = bs % nt, b = bs / nt;
+    const uly__pos step = uly__pos_of((int64_t)gridDim.x * blockDim.x, nv, rows, nt);
+    for (uly__pos p = uly__pos_of(blockIdx.x * (int64_t)blockDim.x + threadIdx.x, nv, rows, nt);
+         p.b < x.batch; uly__pos_add(p, step, nv, rows, nt)) {
+        const int64_t e = p.e * W, h = h_first + p.r, s = p.s, b = p.b;
         V *tp = (V *)(t + b * x.sb + s * x.ss + h * x.sh + e);
         V *bp = (V *)(blk + ((b * nt + s) * nh + h) * x.dim + e);
         if (!x.unpack) {

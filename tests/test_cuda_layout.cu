@@ -178,6 +178,65 @@ TEST(unpack_into_fused_views_matches_cpu) { check_sweep(1, FUSED); }
 TEST(unpack_heads_outer_matches_cpu) { check_sweep(1, HEADS_OUTER); }
 TEST(unpack_misaligned_takes_element_path) { check_sweep(1, SHIFTED); }
 
+/* The box kernel's stepping: a position advanced k times by the grid's stride (uly__pos_add)
+   has the digits of the flat index start + k * stride (uly__pos_of). Each walk is one thread;
+   the radices include 1 (a merged row) and strides past the whole box. */
+typedef struct walk {
+    int64_t nv, rows, nt, start, stride;
+} walk;
+
+__global__ void walk_positions(const walk *w, int n, int steps, int *bad) {
+    const int t = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (t >= n) return;
+    const walk c = w[t];
+    const uly__pos d = uly__pos_of(c.stride, c.nv, c.rows, c.nt);
+    uly__pos p = uly__pos_of(c.start, c.nv, c.rows, c.nt);
+    int wrong = 0;
+    for (int k = 1; k <= steps; k++) {
+        uly__pos_add(p, d, c.nv, c.rows, c.nt);
+        const uly__pos q = uly__pos_of(c.start + k * c.stride, c.nv, c.rows, c.nt);
+        wrong += p.e != q.e || p.r != q.r || p.s != q.s || p.b != q.b;
+    }
+    bad[t] = wrong;
+}
+
+TEST(grid_stride_positions_carry) {
+    enum { N = 512, STEPS = 64 };
+    walk h[N];
+    for (int i = 0; i < N; i++) {
+        walk *c = &h[i];
+        c->nv = 1 + (i * 13) % 200;
+        c->rows = 1 + i % 5;
+        c->nt = 1 + (i * 37) % 300;
+        const int64_t box = c->nv * c->rows * c->nt;
+        c->start = (i * 7919) % box;
+        c->stride = 1 + (i * 104729) % (3 * box);
+    }
+    walk *dw;
+    int *dbad, got[N];
+    cudaMalloc((void **)&dw, sizeof h);
+    cudaMalloc((void **)&dbad, sizeof got);
+    cudaMemcpy(dw, h, sizeof h, cudaMemcpyHostToDevice);
+    ULY_LAUNCH(walk_positions, N / 128, 128, 0, 0, dw, (int)N, (int)STEPS, dbad);
+    CHECK(cudaMemcpy(got, dbad, sizeof got, cudaMemcpyDeviceToHost) == cudaSuccess, "launch");
+    for (int i = 0; i < N; i++)
+        CHECK(got[i] == 0, "nv %lld rows %lld nt %lld start %lld stride %lld: %d of %d steps wrong",
+              (long long)h[i].nv, (long long)h[i].rows, (long long)h[i].nt, (long long)h[i].start,
+              (long long)h[i].stride, got[i], (int)STEPS);
+    cudaFree(dw), cudaFree(dbad);
+}
+
+/* Boxes larger than the grid (2048 / P blocks of 256 threads per peer): each thread strides
+   over several accesses. With D = 97 (the element path) and two heads per peer, the grid's
+   stride of 65536 accesses has a nonzero digit in every place of a box (61 elements, 1 head
+   row, 81 tokens, 1 batch), so a thread's position carries through all of them. */
+TEST(boxes_larger_than_the_grid) {
+    const lcase c = {8, 2, 2048, 16, 16, 97};
+    for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
+        for (int unpack = 0; unpack < 2; unpack++)
+            check_one(&c, 3, ULY_F32, (uly_xchg)x, unpack, HEADS_OUTER);
+}
+
 /* ---------------------------------------------------------------------------------------------
    Bad input: an error that names what is wrong, and nothing launched */
 
