@@ -350,6 +350,18 @@ $(BUILD)/gpu/bench_attn: bench/bench_attn.cu bench/bench_cuda.h $(FLASH_HDRS)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@
 GPU_BINS    += $(BUILD)/gpu/bench_attn
 GPU_BENCHES += 'bench/run_attn.sh $(BUILD)/gpu/bench_attn $(PYTHON)'
+# The same pipeline at a tiny size, bench_attn under the emulator and bench_sdpa.py on the CPU: a
+# smoke check (every program runs, the table prints; the times mean nothing), into
+# $(BUILD)/smoke_attn so that bench/'s results stay. Without PyTorch the table has our rows only.
+$(BUILD)/emu/bench_attn: bench/bench_attn.cu bench/bench_cuda.h $(FLASH_HDRS) $(EMU_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
+TESTS     += 'rm -rf $(BUILD)/smoke_attn && bench/run_attn.sh -o $(BUILD)/smoke_attn -d cpu \
+              $(BUILD)/emu/bench_attn $(PYTHON) 256 128 256 128 && echo "1 passed, 0 failed"'
+TEST_BINS += $(BUILD)/emu/bench_attn
+ifneq ($(HAVE_TORCH),1)
+TESTS     += 'skip:bench_sdpa.py smoke run (no PyTorch for $(PYTHON))'
+endif
 
 # --- top-level targets ---
 test: $(TEST_BINS)

@@ -1,11 +1,16 @@
-/* bench_attn.cu - TFLOP/s of the flash kernels (make bench-gpu; GPU only).
+/* bench_attn.cu - TFLOP/s of the flash kernels (make bench-gpu).
 
-   FlashAttention's shapes and FLOP convention: bf16, B * S = 16K tokens, S = 1K .. 32K, H * D =
-   2048, D = 64 and 128, causal and not; forward 4 * B * S^2 * H * D FLOPs, halved when causal;
-   backward 2.5x the forward. Each point is the median of 10 timed runs after 2 warm-ups.
-   Prints CSV (impl,d,causal,seq,batch,heads,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops) on stdout and,
-   on stderr, each kernel's registers and shared memory. bench/bench_sdpa.py prints the same for
-   PyTorch; bench/plot_attn.py draws them side by side. */
+   FlashAttention's shapes and FLOP convention: bf16, B * S = 16K tokens, S = 1K .. 32K (B = 1 at
+   32K: there is no B = 1/2), H * D = 2048, D = 64 and 128, causal and not; forward
+   4 * B * S^2 * H * D FLOPs, halved when causal; backward 2.5x the forward. Each point is the
+   median of 10 timed runs after 2 warm-ups. Prints CSV
+   (impl,d,causal,seq,batch,heads,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops) on stdout and, on stderr,
+   each kernel's registers and shared memory. bench/bench_sdpa.py prints the same for PyTorch;
+   bench/plot_attn.py draws them side by side.
+   Arguments: bench_attn [TOKENS [SMIN SMAX [WIDTH]]]: B * S, the range of S (doubling) and H * D,
+   defaults 16384 1024 32768 2048. make test runs it under the emulator at a tiny size, a smoke
+   check of the whole pipeline (bench/run_attn.sh) whose times mean nothing. */
+#include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
 
@@ -14,10 +19,15 @@
 #include <string.h>
 
 static void kernel_info(const char *name, const void *fn, size_t dyn_smem) {
+#ifdef ULY_EMU /* no cudaFuncGetAttributes there: registers and spills are nvcc's */
+    (void)fn;
+    fprintf(stderr, "%-28s %6zu bytes shared (dynamic)\n", name, dyn_smem);
+#else
     cudaFuncAttributes at;
     CUDA_OK(cudaFuncGetAttributes(&at, fn));
     fprintf(stderr, "%-28s %3d registers, %6zu bytes shared (dynamic), %zu spilled\n", name,
             at.numRegs, dyn_smem, at.localSizeBytes);
+#endif
 }
 
 template <int D> static void kernel_table(void) {
@@ -33,15 +43,24 @@ template <int D> static void kernel_table(void) {
     kernel_info(name, (const void *)uly__flash_bwd_q<T, D>, uly__fa_bwd_q_smem<D>());
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    int64_t tokens = 16384, smin = 1024, smax = 32768, width = 2048;
+    if (argc > 1) tokens = atoll(argv[1]);
+    if (argc > 3) smin = atoll(argv[2]), smax = atoll(argv[3]);
+    if (argc > 4) width = atoll(argv[4]);
+    if (argc == 3 || argc > 5 || tokens < 1 || smin < 1 || width < 128 || width % 128) {
+        fprintf(stderr, "usage: bench_attn [TOKENS [SMIN SMAX [WIDTH]]], WIDTH a multiple of "
+                        "128\n");
+        return 2;
+    }
     kernel_table<64>();
     kernel_table<128>();
-    const int64_t tokens = 16384, width = 2048;
     printf("impl,d,causal,seq,batch,heads,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops\n");
     for (int64_t D : {64, 128})
         for (int causal : {0, 1})
-            for (int64_t S = 1024; S <= 32768; S *= 2) {
-                const int64_t B = tokens / S, H = width / D, n = B * S * H * D;
+            for (int64_t S = smin; S <= smax; S *= 2) {
+                const int64_t B = std::max<int64_t>(1, tokens / S), H = width / D;
+                const int64_t n = B * S * H * D;
                 std::vector<__nv_bfloat16 *> buf(8);
                 for (uint32_t i = 0; i < 8; i++) buf[i] = bench_random(n, i * 977u + 1u, 0);
                 uly_attn_args a;

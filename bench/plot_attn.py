@@ -1,6 +1,7 @@
-"""plot_attn.py OURS.csv SDPA.csv - bench_attn.cu and bench_sdpa.py side by side: a markdown
-table (TFLOP/s and the ratio to PyTorch) on stdout and, when matplotlib is installed,
-bench/attention.png (forward and backward TFLOP/s against S, one panel per D and mask)."""
+"""plot_attn.py OURS.csv SDPA.csv [PNG] - bench_attn.cu and bench_sdpa.py side by side: a markdown
+table (TFLOP/s and the ratio to PyTorch; "-" where SDPA has no number) on stdout and, when
+matplotlib is installed, PNG (default bench/attention.png: forward and backward TFLOP/s against S,
+one panel per D and mask)."""
 import csv
 import sys
 
@@ -10,24 +11,31 @@ def load(path):
         return {(r["impl"], int(r["d"]), int(r["causal"]), int(r["seq"])): r for r in csv.DictReader(f)}
 
 
+def cells(ours, ref, pas):
+    """Our TFLOP/s, SDPA's and the ratio of the times (TFLOP/s round to 0 at smoke sizes)."""
+    if not ref:
+        return f"{float(ours[pas + '_tflops']):.0f} | - | -"
+    return (f"{float(ours[pas + '_tflops']):.0f} | {float(ref[pas + '_tflops']):.0f} | "
+            f"{float(ref[pas + '_ms']) / float(ours[pas + '_ms']):.2f}")
+
+
 def main():
+    png = sys.argv[3] if len(sys.argv) > 3 else "bench/attention.png"
     rows = {**load(sys.argv[1]), **load(sys.argv[2])}
     keys = sorted({k[1:] for k in rows})
     print("| D | causal | S | fwd ours | fwd sdpa | ratio | bwd ours | bwd sdpa | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     for d, causal, s in keys:
         ours, ref = rows.get(("ulysses", d, causal, s)), rows.get(("sdpa", d, causal, s))
-        if not ours or not ref:
+        if not ours:
             continue
-        f0, f1 = float(ours["fwd_tflops"]), float(ref["fwd_tflops"])
-        b0, b1 = float(ours["bwd_tflops"]), float(ref["bwd_tflops"])
-        print(f"| {d} | {causal} | {s} | {f0:.0f} | {f1:.0f} | {f0 / f1:.2f} | {b0:.0f} | {b1:.0f} | {b0 / b1:.2f} |")
+        print(f"| {d} | {causal} | {s} | {cells(ours, ref, 'fwd')} | {cells(ours, ref, 'bwd')} |")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: no bench/attention.png", file=sys.stderr)
+        print(f"matplotlib not installed: no {png}", file=sys.stderr)
         return
     fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
     for col, (d, causal) in enumerate([(64, 0), (64, 1), (128, 0), (128, 1)]):
@@ -42,7 +50,7 @@ def main():
             ax.set_ylabel("TFLOP/s")
             ax.legend()
     fig.tight_layout()
-    fig.savefig("bench/attention.png", dpi=100)
+    fig.savefig(png, dpi=100)
 
 
 if __name__ == "__main__":
