@@ -1,6 +1,7 @@
 #!/bin/sh
 # lent_gpu.sh OUT - a borrowed GPU machine's whole job in one call: make test-gpu, then
-# make bench-gpu, their logs and the benchmark files copied to OUT, a short summary last.
+# make bench-gpu, their logs and the benchmark files copied to OUT, Nsight Compute's view of the
+# two attention kernels that matter most, a short summary last.
 # Cloud images with the CUDA toolkit and PyTorch often lack Open MPI and NCCL's header, so:
 #   nvcc       the first on PATH (CUDA_HOME is its toolkit)
 #   PYTHON     python3 on PATH, or /usr/bin/python3, whichever has torch (bench_sdpa.py)
@@ -39,6 +40,16 @@ make -j"$(nproc)" $vars test-gpu > "$out/test-gpu.log" 2>&1
 # shellcheck disable=SC2086
 make -j"$(nproc)" $vars bench-gpu > "$out/bench-gpu.log" 2>&1
 cp bench/attention* "$out/" 2>/dev/null
+# Nsight Compute on the two kernels the speed target names (D = 128, causal, S = 16K), so a lease
+# that misses it also brings back where the time goes. bench_attn runs D = 128 non-causal first:
+# 13 launches of each kernel (a check, 2 warm-ups, 10 timed) to skip.
+if command -v ncu >/dev/null 2>&1; then
+    for k in 'uly__flash_fwd<__nv_bfloat16, 128>' 'uly__flash_bwd_kv<__nv_bfloat16, 128, true>'; do
+        ncu --clock-control none --set full --kernel-name-base demangled -k "regex:^void $k" \
+            --launch-skip 13 --launch-count 1 build/gpu/bench_attn 16384 16384 16384 \
+            > "$out/ncu_$(echo "$k" | tr -c 'a-z0-9\n' _).txt" 2>&1
+    done
+fi
 
 cat "$out/gpu.txt" "$out/make.txt"
 echo "== test-gpu"
