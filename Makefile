@@ -364,7 +364,10 @@ TESTS     += 'skip:bench_sdpa.py smoke run (no PyTorch for $(PYTHON))'
 endif
 
 # --- top-level targets ---
-test: $(TEST_BINS)
+# The test binaries build in parallel, one job per core; then the tests run one at a time.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+test:
+	@$(MAKE) --no-print-directory -j$(JOBS) $(TEST_BINS)
 	@STRICT=$(STRICT) tests/run.sh $(TESTS)
 
 test-gpu: $(if $(HAVE_GPU),$(GPU_BINS))
