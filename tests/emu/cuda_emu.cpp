@@ -642,21 +642,17 @@ uint16_t load16(const unsigned char *p) {
 }
 
 // The extra wavefronts of one ldmatrix matrix whose row addresses lanes r[0..7] give: the most
-// distinct addresses in one 16-byte bank group, less one.
+// distinct addresses in one 16-byte bank group, less one (a repeated address is a broadcast).
 int bank_conflicts(const Fiber *r) {
-    int worst = 1;
+    uint32_t seen[8];
+    int n = 0, in_group[8] = {0};
     for (int a = 0; a < 8; a++) {
         const uint32_t x = (uint32_t)r[a].op.value;
-        int n = 0;
-        for (int b = 0; b < 8; b++) {
-            const uint32_t y = (uint32_t)r[b].op.value;
-            bool first = true;  // y's first lane, so a repeated address counts once
-            for (int c = 0; c < b; c++) first = first && (uint32_t)r[c].op.value != y;
-            n += first && y / 16 % 8 == x / 16 % 8;
-        }
-        worst = std::max(worst, n);
+        if (std::find(seen, seen + n, x) != seen + n) continue;
+        seen[n++] = x;
+        in_group[x / 16 % 8]++;
     }
-    return worst - 1;
+    return *std::max_element(in_group, in_group + 8) - 1;
 }
 
 // ldmatrix.m8n8.b16: lane 8*i + r gives the address of row r of matrix i; lane t receives, of
