@@ -1081,18 +1081,18 @@ ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s)
 #include <stdio.h>
 
 /* Tile sizes per head dim, in one place. fwd: a block owns BM query rows (16*MT per warp) and
-   streams BN keys. bwd: a block owns BN keys (16*MT per warp) and streams BM query rows, BS of
-   them at a time through registers (D = 128 needs the room for dK and dV). dq (the deterministic
-   dQ kernel): a block owns BM query rows and streams BN keys. */
+   streams BN keys. bwd: a block owns BN keys and streams BM query rows (its warp grids are in
+   uly__flash_bwd_kv). dq (the deterministic dQ kernel): a block owns BM query rows and streams
+   BN keys. */
 template <int D> struct uly__fa_traits;
 template <> struct uly__fa_traits<64> {
     struct fwd { enum { BM = 128, BN = 64, WARPS = 4 }; };
-    struct bwd { enum { BM = 64, BN = 128, BS = 64, WARPS = 8 }; };
+    struct bwd { enum { BM = 64, BN = 128, WARPS = 8 }; };
     struct dq { enum { BM = 64, BN = 128, WARPS = 4 }; };
 };
 template <> struct uly__fa_traits<128> {
     struct fwd { enum { BM = 128, BN = 64, WARPS = 4 }; };
-    struct bwd { enum { BM = 64, BN = 128, BS = 32, WARPS = 8 }; };
+    struct bwd { enum { BM = 64, BN = 128, WARPS = 8 }; };
     struct dq { enum { BM = 64, BN = 64, WARPS = 4 }; };
 };
 
@@ -1101,9 +1101,9 @@ template <int D> constexpr size_t uly__fa_fwd_smem() {
     using F = typename uly__fa_traits<D>::fwd;
     return (size_t)(F::BM + 2 * F::BN) * D * 2;
 }
-template <int D> constexpr size_t uly__fa_bwd_kv_smem(bool dq_atomic) {
+template <int D> constexpr size_t uly__fa_bwd_kv_smem() {
     using B = typename uly__fa_traits<D>::bwd;
-    return (size_t)(2 * B::BN * D + 4 * B::BM * D + (dq_atomic ? B::BN * B::BM : 0)) * 2 +
+    return (size_t)(2 * B::BN * D + 4 * B::BM * D + 2 * B::BM * B::BN) * 2 +
            4 * B::BM * sizeof(float);
 }
 template <int D> constexpr size_t uly__fa_bwd_q_smem() {
@@ -1265,12 +1265,13 @@ __device__ __forceinline__ void uly__frag_b(uint32_t f[4], uint32_t s, int n0, i
 }
 
 /* acc += A * B over k in [0, K): A's rows m0.. from the WA-wide tile sa, B's columns n0.. from
-   the WB-wide tile sb. */
-template <typename T, int MT, int NT, int K, int WA, bool A_T, int WB, bool B_T>
+   the WB-wide tile sb. U k-steps are unrolled (all by default); fewer keep fewer fragment
+   addresses live, where a kernel's accumulators leave little room. */
+template <typename T, int MT, int NT, int K, int WA, bool A_T, int WB, bool B_T, int U = K / 16>
 __device__ __forceinline__ void uly__mma_ss(float (&acc)[MT][NT][4], uint32_t sa, int m0, uint32_t sb,
                                             int n0) {
     static_assert(NT % 2 == 0 && K % 16 == 0, "whole ldmatrix.x4 blocks");
-#pragma unroll
+#pragma unroll (U)
     for (int k = 0; k < K; k += 16) {
         uint32_t a[MT][4];
 #pragma unroll
@@ -1552,20 +1553,26 @@ __global__ void __launch_bounds__(128) uly__flash_bwd_post(const uly__fa_params 
 }
 
 /* Backward main kernel: a block owns BN keys of one kv head; grid (key blocks, Hkv, B). For each
-   query head of the kv head's group and each query block that sees these keys, with the keys as
-   the rows of every product (so dK and dV stay in registers):
-       S^T = K Q^T, dP^T = V dO^T, P^T and dS^T from lse and Dsum,
-       dV += P^T dO, dK += dS^T Q, and (DQ_ATOMIC) dQ += dS K into the fp32 accumulator.
+   query head of the kv head's group and each query block that sees these keys:
+       S = Q K^T, dP = dO V^T, then P and dS = P * (dP - Dsum) into shared memory;
+       dV += P^T dO, dK += dS^T Q (in registers), and (DQ_ATOMIC) dQ += dS K into the fp32
+       accumulator.
+   Each product has its own warp grid of 32-row blocks (S and dP over (m, n), dK and dV over
+   (n, d), dQ over (m, d)), so each operand tile is read by few warps. The alternative, keys as
+   the rows of every product so that P^T and dS^T feed dV and dK from registers, has every warp
+   read all of Q and dO: at D = 128 that is 1664 ldmatrix.x4 per query block against 1152 here
+   plus 2 * BM * BN stores, and shared-memory bandwidth is what bounds this kernel.
    Under a causal mask the first key blocks see the most queries, so blocks in index order
    already start with the long ones. */
 template <typename T, int D, bool DQ_ATOMIC>
 __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     uly__flash_bwd_kv(const uly__fa_params p) {
     using C = typename uly__fa_traits<D>::bwd;
-    constexpr int BM = C::BM, BN = C::BN, BS = C::BS, NT = C::WARPS * 32;
-    constexpr int MT = BN / (16 * C::WARPS);
-    constexpr int QWM = BM / 16, QWN = C::WARPS / QWM, QN = D / QWN; /* dQ: warps over (m, d) */
-    static_assert(QWM * QWN == C::WARPS && QN % 32 == 0, "dQ: whole 16 x 32 blocks per warp");
+    constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32;
+    constexpr int SW = BM / 32, SN = BN * SW / C::WARPS; /* S, dP: SW warps along m, SN keys each */
+    constexpr int KW = BN / 32, KN = D * KW / C::WARPS;  /* dK, dV: KW warps along n, KN dims each */
+    constexpr int QW = BM / 32, QN = D * QW / C::WARPS;  /* dQ: QW warps along m, QN dims each */
+    static_assert(SN % 16 == 0 && KN % 16 == 0 && QN % 16 == 0, "whole ldmatrix.x4 blocks");
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
     const int n0 = (int)blockIdx.x * BN;
     if (n0 >= s.sk) return;
@@ -1575,19 +1582,21 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     const int diag = s.sk - s.sq;
     const int m_begin = p.causal ? max(0, n0 - diag) / BM * BM : 0; /* first row seeing key n0 */
     const int m_blocks = s.sq > m_begin ? (s.sq - m_begin + BM - 1) / BM : 0;
-    const int iters = (int)(h_end - h_begin) * m_blocks;
+    const int iters = (int)(h_end - h_begin) * m_blocks; /* query blocks, head by head */
 
-    ULY_DYN_SMEM(unsigned char, smem); /* K, V [BN][D]; 2 x (Q, dO [BM][D]); dS^T [BN][BM];
+    ULY_DYN_SMEM(unsigned char, smem); /* K, V [BN][D]; 2 x (Q, dO [BM][D]); P, dS [BM][BN];
                                           2 x (lse * log2(e), Dsum [BM]) */
     const uint32_t sK = uly_smem_addr(smem), sV = sK + BN * D * 2;
-    const uint32_t sQ0 = sV + BN * D * 2, sdO0 = sQ0 + 2 * BM * D * 2, sdS = sdO0 + 2 * BM * D * 2;
-    unsigned char *dS_tile = smem + (sdS - sK);
-    float *rows = (float *)(dS_tile + (DQ_ATOMIC ? BN * BM * 2 : 0)); /* [2][2][BM] */
-    const int warp = (int)(threadIdx.x / 32), wn = warp * 16 * MT;
+    const uint32_t sQ0 = sV + BN * D * 2, sdO0 = sQ0 + 2 * BM * D * 2, sP = sdO0 + 2 * BM * D * 2;
+    const uint32_t sdS = sP + BM * BN * 2;
+    unsigned char *P_tile = smem + (sP - sK), *dS_tile = P_tile + BM * BN * 2;
+    float *rows = (float *)(dS_tile + BM * BN * 2); /* [2][2][BM] */
+    const int warp = (int)(threadIdx.x / 32);
+    const int sm = warp % SW * 32, sn = warp / SW * SN;
+    const int kn = warp % KW * 32, kd = warp / KW * KN;
+    const int qm = warp % QW * 32, qd = warp / QW * QN;
 
-    auto load_queries = [&](int it, int stage) {
-        const int64_t h = h_begin + it / m_blocks;
-        const int m0 = m_begin + it % m_blocks * BM;
+    auto load_queries = [&](int64_t h, int m0, int stage) {
         uly__tile_load<BM, D, NT>(sQ0 + stage * BM * D * 2, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h),
                                   p.q.ss, s.sq - m0);
         uly__tile_load<BM, D, NT>(sdO0 + stage * BM * D * 2,
@@ -1602,69 +1611,70 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
 
     uly__tile_load<BN, D, NT>(sK, uly__fa_row<T>(p.k, s.b, s.k0 + n0, hk), p.k.ss, s.sk - n0);
     uly__tile_load<BN, D, NT>(sV, uly__fa_row<T>(p.v, s.b, s.k0 + n0, hk), p.v.ss, s.sk - n0);
-    if (iters > 0) load_queries(0, 0);
+    if (iters > 0) load_queries(h_begin, m_begin, 0);
     uly_cp_async_commit();
 
-    float dk[MT][D / 8][4], dv[MT][D / 8][4];
+    float dk[2][KN / 8][4], dv[2][KN / 8][4];
     uly__frag_zero(dk);
     uly__frag_zero(dv);
+    int64_t h = h_begin; /* this iteration's query block (h, m0), then the next one's */
+    int m0 = m_begin;
     for (int it = 0; it < iters; it++) {
-        const int stage = it & 1, m0 = m_begin + it % m_blocks * BM;
-        const int64_t h = h_begin + it / m_blocks;
+        const int stage = it & 1;
+        const bool wrap = m0 + BM >= s.sq;
+        const int64_t h_next = wrap ? h + 1 : h;
+        const int m_next = wrap ? m_begin : m0 + BM;
         const uint32_t sQ = sQ0 + stage * BM * D * 2, sdO = sdO0 + stage * BM * D * 2;
         const float *lse2 = rows + stage * 2 * BM, *dsum = lse2 + BM;
         uly_cp_async_wait_all();
-        __syncthreads(); /* this stage is in; every warp is done with the other one and dS */
-        if (it + 1 < iters) load_queries(it + 1, stage ^ 1);
+        __syncthreads(); /* this stage is in; every warp is done with the other one, P and dS */
+        if (it + 1 < iters) load_queries(h_next, m_next, stage ^ 1);
         uly_cp_async_commit();
 
-#pragma unroll 1
-        for (int c0 = 0; c0 < BM; c0 += BS) { /* BS query columns at a time, in registers */
-            float sc[MT][BS / 8][4], dp[MT][BS / 8][4];
-            uly__frag_zero(sc);
-            uly__frag_zero(dp);
-            uly__mma_ss<T, MT, BS / 8, D, D, false, D, false>(sc, sK, wn, sQ, c0);
-            uly__mma_ss<T, MT, BS / 8, D, D, false, D, false>(dp, sV, wn, sdO, c0);
-            if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
-                uly__mask(sc, n0 + wn, m0 + c0,
-                          [&](int n, int m) { return n >= s.sk || (p.causal && n > m + diag); });
-            uly__softmax_grad(sc, dp, p.scale_log2, [&](int, int nt, int i) {
-                const int c = c0 + 8 * nt + uly__frag_col(i);
-                return make_float2(lse2[c], dsum[c]);
-            });
-            if (DQ_ATOMIC) uly__frag_store<T, BM>(dS_tile, wn, c0, dp);
-            uint32_t pa[MT][BS / 16][4], dsa[MT][BS / 16][4];
-            uly__frag_to_a<T>(pa, sc);
-            uly__frag_to_a<T>(dsa, dp);
-            uly__mma_rs<T, MT, D / 8, BS, D>(dv, pa, sdO, 0, c0);
-            uly__mma_rs<T, MT, D / 8, BS, D>(dk, dsa, sQ, 0, c0);
-        }
+        /* dK and dV hold half the registers: the products unroll 4 k-steps (2 for K = BM), not
+           all, which is what keeps D = 128 within 255 registers without spills. */
+        float sc[2][SN / 8][4], dp[2][SN / 8][4];
+        uly__frag_zero(sc);
+        uly__frag_zero(dp);
+        uly__mma_ss<T, 2, SN / 8, D, D, false, D, false, 4>(sc, sQ, sm, sK, sn);
+        uly__mma_ss<T, 2, SN / 8, D, D, false, D, false, 4>(dp, sdO, sm, sV, sn);
+        if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
+            uly__mask(sc, m0 + sm, n0 + sn,
+                      [&](int m, int n) { return n >= s.sk || (p.causal && n > m + diag); });
+        uly__softmax_grad(sc, dp, p.scale_log2, [&](int mt, int, int i) {
+            const int r = sm + 16 * mt + uly__frag_row(i);
+            return make_float2(lse2[r], dsum[r]);
+        });
+        uly__frag_store<T, BN>(P_tile, sm, sn, sc);
+        uly__frag_store<T, BN>(dS_tile, sm, sn, dp);
+        __syncthreads(); /* P and dS are complete */
+        uly__mma_ss<T, 2, KN / 8, BM, BN, true, D, true, 2>(dv, sP, kn, sdO, kd);
+        uly__mma_ss<T, 2, KN / 8, BM, BN, true, D, true, 2>(dk, sdS, kn, sQ, kd);
 
         if constexpr (DQ_ATOMIC) {
-            __syncthreads(); /* dS^T is complete */
-            const int qm = warp % QWM * 16, r = m0 + qm;
-#pragma unroll 1
-            for (int d0 = warp / QWM * QN; d0 < (warp / QWM + 1) * QN; d0 += 32) {
-                float dq[1][4][4]; /* 16 rows x 32 columns at a time */
-                uly__frag_zero(dq);
-                uly__mma_ss<T, 1, 4, BN, BM, true, D, true>(dq, sdS, qm, sK, d0);
+            float dq[2][QN / 8][4];
+            uly__frag_zero(dq);
+            uly__mma_ss<T, 2, QN / 8, BN, BN, false, D, true, 4>(dq, sdS, qm, sK, qd);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    if (r + uly__frag_row(i) >= s.sq) continue;
-                    float *acc = p.dq_acc + uly__fa_lse_index(p, s, h, r + uly__frag_row(i)) * D;
+                    const int r = m0 + qm + 16 * mt + uly__frag_row(i);
+                    if (r >= s.sq) continue;
+                    float *acc = p.dq_acc + uly__fa_lse_index(p, s, h, r) * D + qd;
 #pragma unroll
-                    for (int nt = 0; nt < 4; nt++)
-                        atomicAdd(acc + d0 + 8 * nt + uly__frag_col(i), dq[0][nt][i]);
+                    for (int nt = 0; nt < QN / 8; nt++)
+                        atomicAdd(acc + 8 * nt + uly__frag_col(i), dq[mt][nt][i]);
                 }
-            }
         }
+        h = h_next, m0 = m_next;
     }
 
     uly__frag_scale(dk, p.scale);
     uly_cp_async_wait_all();
     __syncthreads(); /* every warp is done with K and V: stage dK and dV there */
-    uly__frag_store<T, D>(smem, wn, 0, dk);
-    uly__frag_store<T, D>(smem + BN * D * 2, wn, 0, dv);
+    uly__frag_store<T, D>(smem, kn, kd, dk);
+    uly__frag_store<T, D>(smem + BN * D * 2, kn, kd, dv);
     __syncthreads();
     uly__tile_store<BN, D, NT>(uly__fa_row<T>(p.dk, s.b, s.k0 + n0, hk), p.dk.ss, s.sk - n0, smem);
     uly__tile_store<BN, D, NT>(uly__fa_row<T>(p.dv, s.b, s.k0 + n0, hk), p.dv.ss, s.sk - n0,
@@ -1858,7 +1868,7 @@ static uly_status uly__fa_bwd_run(const uly__fa_params &p, int batch, int64_t ma
     const bool atomic = p.dq_acc != NULL;
     const dim3 rows(uly__fa_cdiv(max_sq, 4), (unsigned)p.q.h, batch);
     const dim3 keys(uly__fa_cdiv(max_sk, B::BN), (unsigned)p.k.h, batch);
-    const size_t kv_smem = uly__fa_bwd_kv_smem<D>(atomic);
+    const size_t kv_smem = uly__fa_bwd_kv_smem<D>();
     ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre", rows, 128, 0, stream, p));
     if (atomic) {
         ULY__TRY(uly__fa_launch(uly__flash_bwd_kv<T, D, true>, "uly__flash_bwd_kv", keys,

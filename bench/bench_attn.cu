@@ -36,9 +36,9 @@ template <int D> static void kernel_table(void) {
     snprintf(name, sizeof name, "fwd D=%d", D);
     kernel_info(name, (const void *)uly__flash_fwd<T, D>, uly__fa_fwd_smem<D>());
     snprintf(name, sizeof name, "bwd dK dV + atomic dQ D=%d", D);
-    kernel_info(name, (const void *)uly__flash_bwd_kv<T, D, true>, uly__fa_bwd_kv_smem<D>(true));
+    kernel_info(name, (const void *)uly__flash_bwd_kv<T, D, true>, uly__fa_bwd_kv_smem<D>());
     snprintf(name, sizeof name, "bwd dK dV (determ.) D=%d", D);
-    kernel_info(name, (const void *)uly__flash_bwd_kv<T, D, false>, uly__fa_bwd_kv_smem<D>(false));
+    kernel_info(name, (const void *)uly__flash_bwd_kv<T, D, false>, uly__fa_bwd_kv_smem<D>());
     snprintf(name, sizeof name, "bwd dQ (determ.) D=%d", D);
     kernel_info(name, (const void *)uly__flash_bwd_q<T, D>, uly__fa_bwd_q_smem<D>());
 }
