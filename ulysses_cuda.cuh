@@ -1631,8 +1631,9 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
         if (it + 1 < iters) load_queries(h_next, m_next, stage ^ 1);
         uly_cp_async_commit();
 
-        /* dK and dV hold half the registers: the products unroll 4 k-steps (2 for K = BM), not
-           all, which is what keeps D = 128 within 255 registers without spills. */
+        /* dK and dV take 128 of the 255 registers and S and dP 64, so the products unroll 4
+           k-steps (2 where K = BM) instead of all: the other steps' fragment addresses are
+           recomputed rather than held, and D = 128 fits without spills. */
         float sc[2][SN / 8][4], dp[2][SN / 8][4];
         uly__frag_zero(sc);
         uly__frag_zero(dp);
