@@ -35,17 +35,21 @@ fi
 
 vars="NVCC=$nvcc CUDA_HOME=$cuda_home PYTHON=$python NCCL_HOME=$nccl_home"
 echo "make $vars" > "$out/make.txt"
+# One call may run 600 s: a hang in the tests (which also build everything, about a minute on 16
+# cores) must leave the benchmarks their time, and the benchmarks must leave Nsight Compute some.
 # shellcheck disable=SC2086 # $vars is a list of assignments
-make -j"$(nproc)" $vars test-gpu > "$out/test-gpu.log" 2>&1
+timeout 300 make -j"$(nproc)" $vars test-gpu > "$out/test-gpu.log" 2>&1 ||
+    echo "make test-gpu: exit $?" >> "$out/test-gpu.log"
 # shellcheck disable=SC2086
-make -j"$(nproc)" $vars bench-gpu > "$out/bench-gpu.log" 2>&1
+timeout 200 make -j"$(nproc)" $vars bench-gpu > "$out/bench-gpu.log" 2>&1 ||
+    echo "make bench-gpu: exit $?" >> "$out/bench-gpu.log"
 cp bench/attention* "$out/" 2>/dev/null
 # Nsight Compute on the two kernels the speed target names (D = 128, causal, S = 16K), so a lease
 # that misses it also brings back where the time goes. bench_attn runs D = 128 non-causal first:
 # 13 launches of each kernel (a check, 2 warm-ups, 10 timed) to skip.
 if command -v ncu >/dev/null 2>&1; then
     for k in 'uly__flash_fwd<__nv_bfloat16, 128>' 'uly__flash_bwd_kv<__nv_bfloat16, 128, true>'; do
-        ncu --clock-control none --set full --kernel-name-base demangled -k "regex:^void $k" \
+        timeout 60 ncu --clock-control none --set full --kernel-name-base demangled -k "regex:^void $k" \
             --launch-skip 13 --launch-count 1 build/gpu/bench_attn 16384 16384 16384 \
             > "$out/ncu_$(echo "$k" | tr -c 'a-z0-9\n' _).txt" 2>&1
     done
