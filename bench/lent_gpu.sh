@@ -49,8 +49,9 @@ cp bench/attention* "$out/" 2>/dev/null
 # 13 launches of each kernel (a check, 2 warm-ups, 10 timed) to skip.
 if command -v ncu >/dev/null 2>&1; then
     for k in 'uly__flash_fwd<__nv_bfloat16, 128>' 'uly__flash_bwd_kv<__nv_bfloat16, 128, true>'; do
-        timeout 60 ncu --clock-control none --set full --kernel-name-base demangled -k "regex:^void $k" \
-            --launch-skip 13 --launch-count 1 build/gpu/bench_attn 16384 16384 16384 \
+        timeout 60 ncu --clock-control none --set full --kernel-name-base demangled \
+            -k "regex:^void $k" --launch-skip 13 --launch-count 1 \
+            build/gpu/bench_attn 16384 16384 16384 \
             > "$out/ncu_$(echo "$k" | tr -c 'a-z0-9\n' _).txt" 2>&1
     done
 fi
