@@ -1218,6 +1218,14 @@ template <> __device__ __forceinline__ uint32_t uly__pack2<__half>(float lo, flo
     return u;
 }
 
+/* The two 16-bit elements of a 32-bit word as floats, low first: the inverse of uly__pack2. */
+template <typename T> __device__ __forceinline__ float2 uly__unpack2(uint32_t u) {
+    typename std::conditional<std::is_same<T, __half>::value, __half_raw, __nv_bfloat16_raw>::type
+        lo, hi;
+    lo.x = (unsigned short)u, hi.x = (unsigned short)(u >> 16);
+    return make_float2((float)T(lo), (float)T(hi));
+}
+
 /* The mma.sync m16n8k16 fragments of a warp (lane = 4 * g + t): C element i of an m16n8 tile is
    row g + 8 * (i / 2), column 2 * t + i % 2. acc[MT][NT][4] is a warp's 16*MT x 8*NT block. */
 __device__ __forceinline__ int uly__frag_row(int i) { return (int)(uly_lane_id() >> 2) + 8 * (i >> 1); }
@@ -1524,7 +1532,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
 }
 
 /* Backward pre-pass: Dsum = rowsum(dout * out) in fp32, one warp per query row, and the row's
-   dQ accumulator cleared (when there is one). Grid (query rows / 4, H, B), 128 threads. */
+   dQ accumulator cleared (when there is one). Grid (query rows / 4, H, B), 128 threads. This
+   and the post-pass move 16-byte chunks: uly__fa_setup requires 16-byte rows. */
 template <typename T>
 __global__ void __launch_bounds__(128) uly__flash_bwd_pre(const uly__fa_params p) {
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
@@ -1534,11 +1543,20 @@ __global__ void __launch_bounds__(128) uly__flash_bwd_pre(const uly__fa_params p
     const T *o = uly__fa_row<T>(p.o, s.b, s.q0 + row, h);
     const T *dout = uly__fa_row<T>(p.dout, s.b, s.q0 + row, h);
     float acc = 0.f;
-    for (int64_t c = lane; c < d; c += 32) acc += (float)o[c] * (float)dout[c];
+    for (int64_t c = 8 * lane; c < d; c += 256) {
+        const uint4 ua = *(const uint4 *)(o + c), ub = *(const uint4 *)(dout + c);
+        const uint32_t wa[4] = {ua.x, ua.y, ua.z, ua.w}, wb[4] = {ub.x, ub.y, ub.z, ub.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float2 a = uly__unpack2<T>(wa[e]), b = uly__unpack2<T>(wb[e]);
+            acc = fmaf(a.y, b.y, fmaf(a.x, b.x, acc));
+        }
+    }
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (lane == 0) p.dsum[i] = acc;
     if (p.dq_acc)
-        for (int64_t c = lane; c < d; c += 32) p.dq_acc[i * d + c] = 0.f;
+        for (int64_t c = 4 * lane; c < d; c += 128)
+            *(float4 *)(p.dq_acc + i * d + c) = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 /* Backward post-pass: dq = scale * dQ accumulator, in T. Grid (query rows / 4, H, B). */
@@ -1549,7 +1567,18 @@ __global__ void __launch_bounds__(128) uly__flash_bwd_post(const uly__fa_params 
     if (row >= s.sq) return;
     const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_lse_index(p, s, h, row);
     T *dq = uly__fa_row<T>(p.dq, s.b, s.q0 + row, h);
-    for (int64_t c = lane; c < d; c += 32) dq[c] = (T)(p.dq_acc[i * d + c] * p.scale);
+    for (int64_t c = 8 * lane; c < d; c += 256) {
+        const float4 x = *(const float4 *)(p.dq_acc + i * d + c);
+        const float4 y = *(const float4 *)(p.dq_acc + i * d + c + 4);
+        float v[8];
+        uint32_t w[4];
+        memcpy(v, &x, 16);
+        memcpy(v + 4, &y, 16);
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            w[e] = uly__pack2<T>(v[2 * e] * p.scale, v[2 * e + 1] * p.scale);
+        *(uint4 *)(dq + c) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
 }
 
 /* Backward main kernel: a block owns BN keys of one kv head; grid (key blocks, Hkv, B). For each
