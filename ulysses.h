@@ -119,9 +119,11 @@ ULYDEF int64_t uly_dtype_size(uly_dtype t);
 ULYDEF uly_tensor uly_dense(void *data, uly_dtype t, int64_t b, int64_t s, int64_t h, int64_t d);
 /* The view of heads [h0, h0 + n) of t. */
 ULYDEF uly_tensor uly_head_slice(uly_tensor t, int64_t h0, int64_t n);
-/* q, k, v views of a dense fused [b, s, nq + 2*nkv, d] buffer (q heads, k heads, v heads). */
-ULYDEF void uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, int64_t nq, int64_t nkv,
-                          int64_t d, uly_tensor *q, uly_tensor *k, uly_tensor *v);
+/* q, k, v views of a dense fused [b, s, nq + 2*nkv, d] buffer (q heads, k heads, v heads). The
+   views are checked where they are used; this fails only for a NULL output. */
+ULYDEF uly_status uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, int64_t nq,
+                                int64_t nkv, int64_t d, uly_tensor *q, uly_tensor *k,
+                                uly_tensor *v);
 
 /* ---------------------------------------------------------------------------------------------
    The plan: who owns which tokens and heads, and how many bytes every exchange moves */
@@ -159,10 +161,12 @@ ULYDEF uly_range uly_tokens(const uly_plan *p, int sp_rank);   /* tokens of an S
 ULYDEF uly_range uly_heads(const uly_plan *p, int sp_rank);    /* its query heads */
 ULYDEF uly_range uly_kv_heads(const uly_plan *p, int sp_rank); /* the kv heads it needs */
 /* Per-peer byte counts and offsets of exchange x on this rank, each array of sp_size. */
-ULYDEF void uly_exchange_counts(const uly_plan *p, uly_xchg x, int64_t *send_counts,
-                                int64_t *send_offs, int64_t *recv_counts, int64_t *recv_offs);
-ULYDEF int64_t uly_send_bytes(const uly_plan *p, uly_xchg x); /* sum of send_counts */
-ULYDEF int64_t uly_recv_bytes(const uly_plan *p, uly_xchg x); /* sum of recv_counts */
+ULYDEF uly_status uly_exchange_counts(const uly_plan *p, uly_xchg x, int64_t *send_counts,
+                                      int64_t *send_offs, int64_t *recv_counts,
+                                      int64_t *recv_offs);
+/* Sums of send_counts and of recv_counts; 0 for a plan or x that is not valid. */
+ULYDEF int64_t uly_send_bytes(const uly_plan *p, uly_xchg x);
+ULYDEF int64_t uly_recv_bytes(const uly_plan *p, uly_xchg x);
 
 /* ---------------------------------------------------------------------------------------------
    Communicators: one small interface, several implementations */
@@ -197,7 +201,10 @@ ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void 
 
 #ifdef ULYSSES_MPI
 /* The MPI communicator over `comm` (an SP group). Byte counts above INT_MAX are moved in
-   messages of at most chunk_bytes (0 = INT_MAX), since MPI counts are int. */
+   messages of at most chunk_bytes (0 = INT_MAX), since MPI counts are int; every rank of comm
+   must use the same chunk_bytes. Those messages are point-to-point on comm (tag 0x756c): give
+   the library a communicator of its own (MPI_Comm_dup) if the program receives on comm with
+   MPI_ANY_TAG while the layer runs. */
 typedef struct uly_mpi {
     MPI_Comm comm;
     int64_t chunk_bytes;
@@ -303,14 +310,15 @@ ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *
 /* ---------------------------------------------------------------------------------------------
    What a trainer needs around the layer */
 
-/* pos[b*S_r + i] = s0 + i: rows of wpe or RoPE tables for the local tokens. */
-ULYDEF void uly_positions(const uly_plan *p, int32_t *pos);
+/* pos[b*S_r + i] = s0 + i: rows of wpe or RoPE tables for the local tokens (an error if
+   a position does not fit int32). */
+ULYDEF uly_status uly_positions(const uly_plan *p, int32_t *pos);
 /* local[b, i] = full[b, s0 + i]: the same [B, S] sample is loaded on every SP peer. */
-ULYDEF void uly_shard_tokens(const uly_plan *p, const int32_t *full, int32_t *local);
+ULYDEF uly_status uly_shard_tokens(const uly_plan *p, const int32_t *full, int32_t *local);
 /* Labels shifted over the FULL sequence before sharding, so shard edges need no fix-up:
    label of global token t is full[b, t + 1], and ignore_index for t = S - 1. */
-ULYDEF void uly_shard_labels(const uly_plan *p, const int32_t *full, int32_t ignore_index,
-                             int32_t *labels);
+ULYDEF uly_status uly_shard_labels(const uly_plan *p, const int32_t *full, int32_t ignore_index,
+                                   int32_t *labels);
 /* Cross-entropy over n local tokens of vocabulary v: adds sum of -log softmax(logits)[label]
    and the count of labels != ignore_index. If dlogits is not NULL it gets the unscaled gradient
    softmax - onehot (0 for ignored tokens); scale it by uly_loss_reduce's grad_scale. */
@@ -389,13 +397,11 @@ static uly_status uly__ok(void) {
 /* Sizes: an overflow, or an operand that already overflowed (-1), gives -1, so a chain of them
    is checked once at its end. */
 static int64_t uly__mul(int64_t a, int64_t b) {
-    int64_t r;
-    return a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r) ? -1 : r;
+    return a < 0 || b < 0 || (b && a > INT64_MAX / b) ? -1 : a * b;
 }
 
 static int64_t uly__add(int64_t a, int64_t b) {
-    int64_t r;
-    return a < 0 || b < 0 || __builtin_add_overflow(a, b, &r) ? -1 : r;
+    return a < 0 || b < 0 || a > INT64_MAX - b ? -1 : a + b;
 }
 
 /* Buffers inside the workspace and `saved` start on 256-byte boundaries (GPU vector loads). */
@@ -450,13 +456,15 @@ static uly_tensor uly__token_slice(uly_tensor t, int64_t s0, int64_t n) {
     return t;
 }
 
-ULYDEF void uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, int64_t nq, int64_t nkv,
-                          int64_t d, uly_tensor *q, uly_tensor *k, uly_tensor *v) {
+ULYDEF uly_status uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, int64_t nq,
+                                int64_t nkv, int64_t d, uly_tensor *q, uly_tensor *k,
+                                uly_tensor *v) {
     uly_tensor all = uly_dense(qkv, t, b, s, uly__add(nq, uly__mul(2, nkv)), d);
-    if (!q || !k || !v) return;
+    ULY__CHECK(q && k && v, ULY_EINVAL, "uly_qkv_views: %s is NULL", !q ? "q" : !k ? "k" : "v");
     *q = uly_head_slice(all, 0, nq);
     *k = uly_head_slice(all, nq, nkv);
     *v = uly_head_slice(all, uly__add(nq, nkv), nkv);
+    return uly__ok();
 }
 
 /* The rules of every view: data, a positive shape, strides that keep its rows of d elements
@@ -581,12 +589,16 @@ static uly_tensor uly__head_layout(const uly_plan *p, uly_xchg x, void *data) {
 
 /* For peer j, rank r holds the block [B, S_r, H_j, D] in sequence layout and [B, S_j, H_r, D]
    in head layout. seq->head sends the first and receives the second; head->seq the reverse. */
-ULYDEF void uly_exchange_counts(const uly_plan *p, uly_xchg x, int64_t *send_counts,
-                                int64_t *send_offs, int64_t *recv_counts, int64_t *recv_offs) {
+ULYDEF uly_status uly_exchange_counts(const uly_plan *p, uly_xchg x, int64_t *send_counts,
+                                      int64_t *send_offs, int64_t *recv_counts,
+                                      int64_t *recv_offs) {
     int64_t sent = 0, got = 0;
-    if (!uly__plan_ok(p) || x < ULY_X_Q || x > ULY_X_DKV || !send_counts || !send_offs ||
-        !recv_counts || !recv_offs)
-        return;
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "uly_exchange_counts: plan is NULL or not from "
+               "uly_plan_init");
+    ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "uly_exchange_counts: x (%d) is not "
+               "a uly_xchg", (int)x);
+    ULY__CHECK(send_counts && send_offs && recv_counts && recv_offs, ULY_EINVAL,
+               "uly_exchange_counts: a count or offset array is NULL");
     for (int j = 0; j < p->desc.sp_size; j++) {
         int r = p->sp_rank;
         int64_t seq = uly__bytes(p, uly_tokens(p, r).count, uly__xheads(p, x, j).count);
@@ -596,6 +608,7 @@ ULYDEF void uly_exchange_counts(const uly_plan *p, uly_xchg x, int64_t *send_cou
         send_offs[j] = sent, recv_offs[j] = got;
         sent += send_counts[j], got += recv_counts[j];
     }
+    return uly__ok();
 }
 
 /* Every block of exchange x on every rank has one size. It depends on the plan only, so every
@@ -612,8 +625,7 @@ static int uly__uniform(const uly_plan *p, uly_xchg x) {
 static void uly__xbytes(const uly_plan *p, uly_xchg x, int64_t total[2]) {
     int64_t c[4][ULY_MAX_SP];
     total[0] = total[1] = 0;
-    if (!uly__plan_ok(p)) return;
-    uly_exchange_counts(p, x, c[0], c[1], c[2], c[3]);
+    if (uly_exchange_counts(p, x, c[0], c[1], c[2], c[3]).code) return;
     for (int j = 0; j < p->desc.sp_size; j++) total[0] += c[0][j], total[1] += c[2][j];
 }
 
@@ -802,12 +814,14 @@ typedef struct uly__rank {
     pthread_t thread;
 } uly__rank;
 
-/* Waits for every rank; fails if the world breaks first. */
+/* Waits for every rank; fails if the world breaks first. A broken world meets no more: the
+   arrivals of the ranks it woke still count, and a round completed without them would read
+   slots their owners have since taken back. */
 static uly_status uly__sync(uly__world *w) {
     uly_status st = uly__ok();
     pthread_mutex_lock(&w->mu);
     int64_t round = w->rounds;
-    if (++w->arrived == w->size) {
+    if (!w->broken.code && ++w->arrived == w->size) {
         w->arrived = 0;
         w->rounds++;
         pthread_cond_broadcast(&w->cv);
@@ -971,6 +985,9 @@ static uly_status uly__mpi(int rc, const char *call) {
     return uly__err(ULY_ECOMM, "%s: %s", call, text);
 }
 
+/* The tag of the chunked messages: "ul", under the 32767 every MPI allows. */
+enum { ULY__MPI_TAG = 0x756c };
+
 /* Moves the pairs whose count exceeds chunk bytes in rounds: round k carries the k-th chunk of
    each of those messages, so a round needs at most 2P requests and no message exceeds chunk. */
 static uly_status uly__mpi_chunked(MPI_Comm comm, int P, int64_t chunk, const char *send,
@@ -982,54 +999,67 @@ static uly_status uly__mpi_chunked(MPI_Comm comm, int P, int64_t chunk, const ch
         for (int j = 0; j < P && !err; j++)
             if (rc[j] > chunk && rc[j] > at)
                 err = MPI_Irecv(recv + ro[j] + at, (int)uly__min(chunk, rc[j] - at), MPI_BYTE, j,
-                                0, comm, &req[n++]);
+                                ULY__MPI_TAG, comm, &req[n++]);
         for (int j = 0; j < P && !err; j++)
             if (sc[j] > chunk && sc[j] > at)
                 err = MPI_Isend(send + so[j] + at, (int)uly__min(chunk, sc[j] - at), MPI_BYTE, j,
-                                0, comm, &req[n++]);
+                                ULY__MPI_TAG, comm, &req[n++]);
         ULY__TRY(uly__mpi(err, "MPI_Isend/MPI_Irecv"));
         if (!n) return uly__ok();
         ULY__TRY(uly__mpi(MPI_Waitall(n, req, MPI_STATUSES_IGNORE), "MPI_Waitall"));
     }
 }
 
-/* Pairs whose count fits a chunk move in one MPI_Alltoallv, larger ones in chunked messages.
+/* The block of n bytes at byte offset off as MPI_Alltoallw sees it: n bytes at displacement
+   off, or, beyond an int displacement, one block of a type that carries its offset as an
+   MPI_Aint; nothing for a pair that is empty or chunked. Each rank picks its own types (MPI
+   matches bytes, not types), so no offset is out of reach and no rank needs to ask its peers. */
+static uly_status uly__mpi_block(int64_t n, int64_t off, int64_t chunk, MPI_Datatype *type,
+                                 int *count, int *at) {
+    int len = (int)n;
+    MPI_Aint far = (MPI_Aint)off;
+    *type = MPI_BYTE, *count = 0, *at = 0;
+    if (!n || n > chunk) return uly__ok();
+    if (off <= INT_MAX) {
+        *count = len, *at = (int)off;
+        return uly__ok();
+    }
+    ULY__TRY(uly__mpi(MPI_Type_create_hindexed(1, &len, &far, MPI_BYTE, type),
+                      "MPI_Type_create_hindexed"));
+    *count = 1;
+    return uly__mpi(MPI_Type_commit(type), "MPI_Type_commit");
+}
+
+/* Pairs whose count fits a chunk move in one MPI_Alltoallw, larger ones in chunked messages.
    Both ends of a pair see the same count, so every rank makes the same choice without asking.
-   MPI counts and offsets are int: they are given in units of the largest power of two that
-   divides all of this rank's (MPI matches the bytes, not the units, of the two ends). A rank
-   that rejects its arguments returns before the collective, and, as in any MPI collective, its
-   peers wait for it. */
+   A rank that rejects its arguments returns before the collective, and, as in any MPI
+   collective, its peers wait for it. */
 static uly_status uly__mpi_alltoallv(void *ctx, const void *send, const int64_t *send_counts,
                                      const int64_t *send_offs, void *recv,
                                      const int64_t *recv_counts, const int64_t *recv_offs,
                                      void *stream) {
     uly_mpi *m = (uly_mpi *)ctx;
-    const int64_t *all[4] = {send_counts, send_offs, recv_counts, recv_offs};
-    int64_t chunk = m->chunk_bytes ? m->chunk_bytes : INT_MAX, bits = 0, unit;
-    int P, c[4][ULY_MAX_SP];
-    MPI_Datatype type;
+    int64_t chunk = m->chunk_bytes ? m->chunk_bytes : INT_MAX;
+    int P, sn[ULY_MAX_SP], rn[ULY_MAX_SP], sd[ULY_MAX_SP], rd[ULY_MAX_SP];
+    MPI_Datatype st[ULY_MAX_SP], rt[ULY_MAX_SP];
+    uly_status s = uly__ok();
     (void)stream;
     ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &P), "MPI_Comm_size"));
     ULY__TRY(uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs));
-    for (int a = 0; a < 4; a++)
-        for (int j = 0; j < P; j++) bits |= all[a][j];
-    unit = bits ? uly__min(bits & -bits, 1 << 30) : 1;
-    for (int a = 0; a < 4; a++)
-        for (int j = 0; j < P; j++) {
-            int64_t n = all[a & 2][j] > chunk ? 0 : all[a][j]; /* chunked pairs send nothing */
-            ULY__CHECK(n / unit <= INT_MAX, ULY_EOVERFLOW,
-                       "alltoallv: peer %d: %s offset (%lld bytes) is beyond INT_MAX units of "
-                       "%lld bytes", j, a < 2 ? "send" : "recv", ULY__LL(n), ULY__LL(unit));
-            c[a][j] = (int)(n / unit);
-        }
-    ULY__TRY(uly__mpi(MPI_Type_contiguous((int)unit, MPI_BYTE, &type),
-                      "MPI_Type_contiguous"));
-    uly_status st = uly__mpi(MPI_Type_commit(&type), "MPI_Type_commit");
-    if (!st.code)
-        st = uly__mpi(MPI_Alltoallv(send, c[0], c[1], type, recv, c[2], c[3], type, m->comm),
-                      "MPI_Alltoallv");
-    MPI_Type_free(&type);
-    if (st.code) return st;
+    for (int j = 0; j < P; j++) st[j] = rt[j] = MPI_BYTE;
+    for (int j = 0; j < P && !s.code; j++) {
+        s = uly__mpi_block(send_counts[j], send_offs[j], chunk, &st[j], &sn[j], &sd[j]);
+        if (!s.code)
+            s = uly__mpi_block(recv_counts[j], recv_offs[j], chunk, &rt[j], &rn[j], &rd[j]);
+    }
+    if (!s.code)
+        s = uly__mpi(MPI_Alltoallw(send, sn, sd, st, recv, rn, rd, rt, m->comm),
+                     "MPI_Alltoallw");
+    for (int j = 0; j < P; j++) {
+        if (st[j] != MPI_BYTE) MPI_Type_free(&st[j]);
+        if (rt[j] != MPI_BYTE) MPI_Type_free(&rt[j]);
+    }
+    if (s.code) return s;
     return uly__mpi_chunked(m->comm, P, chunk, (const char *)send, send_counts, send_offs,
                             (char *)recv, recv_counts, recv_offs);
 }
@@ -1301,9 +1331,9 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     ULY__CHECK(a->lse, ULY_EINVAL, "lse is NULL");
     ULY__CHECK(isfinite(a->softmax_scale), ULY_EINVAL, "softmax_scale (%g) must be finite",
                (double)a->softmax_scale);
-    ULY__CHECK(a->q_head0 >= 0 && a->kv_group >= 0, ULY_EINVAL,
-               "q_head0 (%lld) and kv_group (%lld) must be >= 0", ULY__LL(a->q_head0),
-               ULY__LL(a->kv_group));
+    ULY__CHECK(a->q_head0 >= 0 && a->q_head0 <= INT64_MAX - q.h && a->kv_group >= 0,
+               ULY_EINVAL, "q_head0 (%lld) must be in [0, INT64_MAX - q.h] and kv_group (%lld) "
+               ">= 0", ULY__LL(a->q_head0), ULY__LL(a->kv_group));
     ULY__CHECK(uly__kv_of(a, q.h - 1) < k.h, ULY_EINVAL,
                "query head %lld reads kv head %lld (q_head0 %lld, kv_group %lld), but k.h is "
                "%lld", ULY__LL(q.h - 1), ULY__LL(uly__kv_of(a, q.h - 1)), ULY__LL(a->q_head0),
@@ -1713,31 +1743,43 @@ ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *
 /* ---------------------------------------------------------------------------------------------
    Around the layer: positions, token and label shards, the loss */
 
-ULYDEF void uly_positions(const uly_plan *p, int32_t *pos) {
-    uly_range t = uly_tokens(p, p ? p->sp_rank : 0);
-    if (!pos || !t.count) return;
-    for (int64_t b = 0; b < p->desc.batch; b++)
-        for (int64_t i = 0; i < t.count; i++) pos[b * t.count + i] = (int32_t)(t.start + i);
+static uly_status uly__check_shard(const char *fn, const uly_plan *p, const void *in,
+                                   const void *out) {
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "%s: plan is NULL or not from uly_plan_init", fn);
+    ULY__CHECK(in && out, ULY_EINVAL, "%s: a buffer is NULL", fn);
+    return uly__ok();
 }
 
-ULYDEF void uly_shard_tokens(const uly_plan *p, const int32_t *full, int32_t *local) {
-    uly_range t = uly_tokens(p, p ? p->sp_rank : 0);
-    if (!full || !local || !t.count) return;
+ULYDEF uly_status uly_positions(const uly_plan *p, int32_t *pos) {
+    ULY__TRY(uly__check_shard("uly_positions", p, pos, pos));
+    uly_range t = uly_tokens(p, p->sp_rank);
+    ULY__CHECK(p->desc.seq_len <= (int64_t)INT32_MAX + 1, ULY_EOVERFLOW, "uly_positions: seq_len "
+               "(%lld) has positions beyond int32", ULY__LL(p->desc.seq_len));
+    for (int64_t b = 0; b < p->desc.batch; b++)
+        for (int64_t i = 0; i < t.count; i++) pos[b * t.count + i] = (int32_t)(t.start + i);
+    return uly__ok();
+}
+
+ULYDEF uly_status uly_shard_tokens(const uly_plan *p, const int32_t *full, int32_t *local) {
+    ULY__TRY(uly__check_shard("uly_shard_tokens", p, full, local));
+    uly_range t = uly_tokens(p, p->sp_rank);
     for (int64_t b = 0; b < p->desc.batch; b++)
         memcpy(local + b * t.count, full + b * p->desc.seq_len + t.start,
                (size_t)t.count * sizeof *local);
+    return uly__ok();
 }
 
-ULYDEF void uly_shard_labels(const uly_plan *p, const int32_t *full, int32_t ignore_index,
-                             int32_t *labels) {
-    uly_range t = uly_tokens(p, p ? p->sp_rank : 0);
-    if (!full || !labels || !t.count) return;
+ULYDEF uly_status uly_shard_labels(const uly_plan *p, const int32_t *full, int32_t ignore_index,
+                                   int32_t *labels) {
+    ULY__TRY(uly__check_shard("uly_shard_labels", p, full, labels));
+    uly_range t = uly_tokens(p, p->sp_rank);
     for (int64_t b = 0; b < p->desc.batch; b++)
         for (int64_t i = 0; i < t.count; i++) {
             int64_t next = t.start + i + 1; /* the label of a token is the token after it */
             labels[b * t.count + i] =
                 next < p->desc.seq_len ? full[b * p->desc.seq_len + next] : ignore_index;
         }
+    return uly__ok();
 }
 
 ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, int64_t n,

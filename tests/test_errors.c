@@ -109,7 +109,61 @@ TEST(plan_init_rejects_null_arguments) {
     uly_plan p;
     uly_plan_desc d = good_desc();
     check_status(uly_plan_init(&p, NULL), ULY_EINVAL, "desc", "desc NULL");
-    check_status(uly_plan_init(NULL, &d), ULY_EINVAL, "plan", "plan NULL");
+    check_status(uly_plan_init(NULL, &d), ULY_EINVAL, "p is NULL", "plan NULL");
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The calls around the plan: exchange counts, positions, shards, fused views */
+
+TEST(exchange_counts_reject_a_bad_plan_exchange_or_array) {
+    uly_plan p, none;
+    uly_plan_desc d = good_desc();
+    int64_t c[4][ULY_MAX_SP];
+    CHECK(uly_plan_init(&p, &d).code == ULY_OK, "the base plan");
+    memset(&none, 0, sizeof none);
+    check_status(uly_exchange_counts(&none, ULY_X_Q, c[0], c[1], c[2], c[3]), ULY_EINVAL, "plan",
+                 "a plan not from uly_plan_init");
+    check_status(uly_exchange_counts(&p, (uly_xchg)7, c[0], c[1], c[2], c[3]), ULY_EINVAL,
+                 "x (7)", "exchange 7");
+    check_status(uly_exchange_counts(&p, ULY_X_KV, c[0], NULL, c[2], c[3]), ULY_EINVAL, "NULL",
+                 "send_offs NULL");
+    CHECK(uly_send_bytes(&p, (uly_xchg)7) == 0 && uly_recv_bytes(&p, (uly_xchg)-1) == 0,
+          "bytes of a bad exchange: %lld, %lld", (long long)uly_send_bytes(&p, (uly_xchg)7),
+          (long long)uly_recv_bytes(&p, (uly_xchg)-1));
+}
+
+TEST(positions_and_shards_reject_a_bad_plan_or_a_null_buffer) {
+    uly_plan p, none;
+    uly_plan_desc d = good_desc();
+    int32_t full[2 * 16], local[2 * 4];
+    CHECK(uly_plan_init(&p, &d).code == ULY_OK, "the base plan");
+    memset(&none, 0, sizeof none);
+    memset(full, 0, sizeof full);
+    check_status(uly_positions(&none, local), ULY_EINVAL, "plan", "positions, bad plan");
+    check_status(uly_positions(&p, NULL), ULY_EINVAL, "NULL", "positions, pos NULL");
+    check_status(uly_shard_tokens(&p, NULL, local), ULY_EINVAL, "NULL", "tokens, full NULL");
+    check_status(uly_shard_tokens(NULL, full, local), ULY_EINVAL, "plan", "tokens, plan NULL");
+    check_status(uly_shard_labels(&p, full, -100, NULL), ULY_EINVAL, "NULL", "labels NULL");
+}
+
+TEST(positions_beyond_int32_are_an_error_not_wrapped) {
+    /* S = 2^32 over 256 ranks: the last rank's first token is 2^32 - 2^24. */
+    uly_plan p;
+    uly_plan_desc d = {.world_size = 256, .rank = 255, .sp_size = 256, .batch = 1,
+                       .seq_len = (int64_t)1 << 32, .n_heads = 256, .head_dim = 8,
+                       .dtype = ULY_BF16};
+    int32_t pos[1] = {7};
+    uly_status st = uly_plan_init(&p, &d);
+    CHECK(st.code == ULY_OK, "%s", st.msg);
+    check_status(uly_positions(&p, pos), ULY_EOVERFLOW, "int32", "S = 2^32");
+    CHECK(pos[0] == 7, "pos[0] was written: %d", (int)pos[0]);
+}
+
+TEST(qkv_views_reject_a_null_output) {
+    float buf[6 * 4];
+    uly_tensor q, k;
+    check_status(uly_qkv_views(buf, ULY_F32, 1, 1, 4, 1, 4, &q, &k, NULL), ULY_EINVAL, "v",
+                 "v NULL");
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -324,6 +378,7 @@ static const attn_bad attn_table[] = {
     {"backward: dout.s != q.s", 1, ULY_EINVAL, "dout:"},
     {"softmax_scale NaN", 0, ULY_EINVAL, "softmax_scale"},
     {"q_head0 negative", 0, ULY_EINVAL, "q_head0"},
+    {"q_head0 + q.h beyond int64", 0, ULY_EINVAL, "q_head0"},
 };
 
 static void break_args(uly_attn_args *a, int i) {
@@ -342,6 +397,7 @@ static void break_args(uly_attn_args *a, int i) {
     case 11: a->dout.s = AS - 1; break;
     case 12: a->softmax_scale = NAN; break;
     case 13: a->q_head0 = -1; break;
+    case 14: a->q_head0 = INT64_MAX - 1; break;
     }
 }
 
@@ -411,6 +467,45 @@ TEST(local_run_rejects_size_0_and_negative_and_above_ULY_MAX_SP) {
 
 TEST(local_run_rejects_a_null_function) {
     check_status(uly_local_run(2, NULL, NULL), ULY_EINVAL, "fn", "fn NULL");
+}
+
+/* Rank 0 gives up (a bad allreduce), rank 1's allreduce fails; then rank 0 tries again. A
+   broken world completes no collective, however many ranks arrive: this one would otherwise
+   count rank 1's old arrival and sum rank 1's buffer after rank 1 took it back. */
+typedef struct broken_world {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int rank1_failed;
+    double buf[2][4];
+    uly_status first[2], retry;
+} broken_world;
+
+static void give_up_then_retry(const uly_comm *c, void *user) {
+    broken_world *w = (broken_world *)user;
+    double *buf = w->buf[c->rank];
+    w->first[c->rank] = c->allreduce_sum(c->ctx, buf, c->rank ? 4 : -1, NULL);
+    pthread_mutex_lock(&w->mu);
+    if (c->rank) w->rank1_failed = 1, pthread_cond_signal(&w->cv);
+    while (!w->rank1_failed) pthread_cond_wait(&w->cv, &w->mu);
+    pthread_mutex_unlock(&w->mu);
+    if (!c->rank) w->retry = c->allreduce_sum(c->ctx, buf, 4, NULL);
+}
+
+TEST(local_comm_after_a_rank_gives_up_every_collective_fails_and_reads_no_peer) {
+    broken_world w = {.rank1_failed = 0};
+    pthread_mutex_init(&w.mu, NULL);
+    pthread_cond_init(&w.cv, NULL);
+    for (int i = 0; i < 4; i++) w.buf[0][i] = 1, w.buf[1][i] = 2;
+    uly_status st = uly_local_run(2, give_up_then_retry, &w);
+    CHECK(st.code == ULY_OK, "local_run: %s", st.msg);
+    check_status(w.first[0], ULY_EINVAL, "n (-1)", "rank 0's bad allreduce");
+    check_status(w.first[1], ULY_ECOMM, "rank 0 failed", "rank 1's allreduce");
+    check_status(w.retry, ULY_ECOMM, "rank 0 failed", "rank 0's retry");
+    for (int i = 0; i < 4; i++)
+        CHECK(w.buf[0][i] == 1 && w.buf[1][i] == 2, "element %d summed: %g, %g", i, w.buf[0][i],
+              w.buf[1][i]);
+    pthread_cond_destroy(&w.cv);
+    pthread_mutex_destroy(&w.mu);
 }
 
 int main(void) { return uly_run_tests(); }

@@ -200,7 +200,8 @@ static void each_shard(int64_t S, void (*check)(const shard *sh)) {
 static void tokens_of(const shard *sh) {
     int32_t full[MAX_B * MAX_S], local[MAX_B * MAX_S];
     for (int i = 0; i < sh->B * sh->S; i++) full[i] = 1000 + i * 7;
-    uly_shard_tokens(&sh->p, full, local);
+    uly_status st = uly_shard_tokens(&sh->p, full, local);
+    CHECK(st.code == ULY_OK, "%s", st.msg);
     for (int64_t b = 0; b < sh->B; b++)
         for (int64_t i = 0; i < sh->Sr; i++)
             CHECK(local[b * sh->Sr + i] == full[b * sh->S + sh->s0 + i],
@@ -214,7 +215,8 @@ TEST(shard_tokens_gives_rank_r_the_tokens_s0_to_s0_plus_Sr_of_every_sample) {
 static void labels_of(const shard *sh) {
     int32_t full[MAX_B * MAX_S], labels[MAX_B * MAX_S];
     for (int i = 0; i < sh->B * sh->S; i++) full[i] = 500 + i * 3;
-    uly_shard_labels(&sh->p, full, IGNORE, labels);
+    uly_status st = uly_shard_labels(&sh->p, full, IGNORE, labels);
+    CHECK(st.code == ULY_OK, "%s", st.msg);
     for (int64_t b = 0; b < sh->B; b++)
         for (int64_t i = 0; i < sh->Sr; i++) {
             int64_t t = sh->s0 + i;
@@ -229,7 +231,8 @@ TEST(shard_labels_shift_over_the_full_sequence_and_ignore_the_last_token) {
 
 static void positions_of(const shard *sh) {
     int32_t pos[MAX_B * MAX_S];
-    uly_positions(&sh->p, pos);
+    uly_status st = uly_positions(&sh->p, pos);
+    CHECK(st.code == ULY_OK, "%s", st.msg);
     for (int64_t b = 0; b < sh->B; b++)
         for (int64_t i = 0; i < sh->Sr; i++)
             CHECK(pos[b * sh->Sr + i] == sh->s0 + i, "P=%d B=%lld rank %d: pos[%lld] = %d",

@@ -22,7 +22,7 @@ static int world_rank, world_size;
    (which then go on to PMPI_*), so a test can see the size of every message the communicator
    hands to MPI: with chunk_bytes = 1000 none may be larger. */
 
-static int64_t msg_max;   /* largest single message, bytes (MPI_BYTE counts) */
+static int64_t msg_max;   /* largest single message, bytes */
 static int64_t msg_bytes; /* bytes sent, over every message */
 
 static void msg_reset(void) { msg_max = 0, msg_bytes = 0; }
@@ -50,12 +50,16 @@ int MPI_Recv(void *buf, int count, MPI_Datatype type, int src, int tag, MPI_Comm
     msg_seen(count, 0);
     return PMPI_Recv(buf, count, type, src, tag, comm, status);
 }
-int MPI_Alltoallv(const void *sbuf, const int *sc, const int *sd, MPI_Datatype st, void *rbuf,
-                  const int *rc, const int *rd, MPI_Datatype rt, MPI_Comm comm) {
-    int P;
+/* Alltoallw's blocks are counts of per-peer types: their sizes in bytes are what MPI moves. */
+int MPI_Alltoallw(const void *sbuf, const int *sc, const int *sd, const MPI_Datatype *st,
+                  void *rbuf, const int *rc, const int *rd, const MPI_Datatype *rt, MPI_Comm comm) {
+    int P, ss, rs;
     PMPI_Comm_size(comm, &P);
-    for (int j = 0; j < P; j++) msg_seen(sc[j], 1), msg_seen(rc[j], 0);
-    return PMPI_Alltoallv(sbuf, sc, sd, st, rbuf, rc, rd, rt, comm);
+    for (int j = 0; j < P; j++) {
+        PMPI_Type_size(st[j], &ss), PMPI_Type_size(rt[j], &rs);
+        msg_seen(sc[j] * ss, 1), msg_seen(rc[j] * rs, 0);
+    }
+    return PMPI_Alltoallw(sbuf, sc, sd, st, rbuf, rc, rd, rt, comm);
 }
 
 /* How many ranks report !ok; every rank gets the same answer. */
@@ -259,6 +263,30 @@ static void check_alltoallv(int64_t chunk) {
 TEST(alltoallv_moves_counts_above_the_chunk_limit_exactly) { check_alltoallv(1000); }
 
 TEST(alltoallv_with_tiny_7_byte_chunks_moves_every_byte) { check_alltoallv(7); }
+
+/* Odd 1-byte blocks 2^33 bytes into their buffers: offsets that no int displacement reaches,
+   in any unit that divides them. The buffer pointers are placed 2^33 bytes before small
+   arrays (an address computed as an integer, which MPI adds the offsets back to). */
+TEST(alltoallv_places_blocks_at_offsets_beyond_INT_MAX_bytes) {
+    const int64_t far = (int64_t)1 << 33;
+    int P = world_size, me = world_rank;
+    int64_t sc[ULY_MAX_SP], so[ULY_MAX_SP], rc[ULY_MAX_SP], ro[ULY_MAX_SP];
+    unsigned char send[3 * ULY_MAX_SP], recv[3 * ULY_MAX_SP];
+    memset(recv, 0xAB, sizeof recv);
+    for (int j = 0; j < P; j++) {
+        sc[j] = rc[j] = 1;
+        so[j] = ro[j] = far + 3 * j;
+        send[3 * j] = (unsigned char)(16 * me + j);
+    }
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 0);
+    uly_status s = comm.alltoallv(comm.ctx, (void *)((uintptr_t)send - (uintptr_t)far), sc, so,
+                                  (void *)((uintptr_t)recv - (uintptr_t)far), rc, ro, NULL);
+    ALL_CHECK(s.code == ULY_OK, "alltoallv at offset 2^33: %s", s.msg);
+    int wrong = 0;
+    for (int i = 0; i < P; i++) wrong += recv[3 * i] != (unsigned char)(16 * i + me);
+    ALL_CHECK(wrong == 0, "%d of %d blocks wrong", wrong, P);
+}
 
 TEST(alltoallv_without_chunk_limit_honours_counts_and_offsets) { check_alltoallv(0); }
 
