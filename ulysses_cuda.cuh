@@ -59,8 +59,10 @@
        (cu_seqlens). uly_cublaslt_attention() (ULYSSES_CUBLASLT) is the unfused cuBLASLt path:
        the GPU-side second reference, and the fallback for any D <= 256, D % 8 == 0.
 
-       The flash kernels (sm_80 and newer: mma.sync m16n8k16, ldmatrix, cp.async) are built from
-       a few tile primitives, so each reads like its algorithm:
+       The flash kernels (sm_80 and newer: mma.sync m16n8k16, ldmatrix, cp.async; the D = 128
+       backward needs 161 KB of shared memory per block, which A100 and H100 have and sm_86 and
+       sm_89 do not: there it is ULY_EUNSUPPORTED) are built from a few tile primitives, so each
+       reads like its algorithm:
            uly__tile_load / uly__tile_store    global <-> swizzled shared tile (cp.async, 16 B)
            uly__mma_ss / uly__mma_rs           a warp's C += A * B, A from shared memory or registers
            uly__online_softmax                 FlashAttention's running max and sum, exp2 domain
@@ -120,13 +122,16 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
 /* An NCCL communicator over `comm` (one SP group, one GPU per rank). NCCL moves GPU memory
    only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier go through `scratch`,
    ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL: they return
-   ULY_EUNSUPPORTED), and wait for the stream. Failures return ULY_ECOMM with NCCL's message;
-   after an asynchronous one (a peer or the network failed) the communicator is unusable and
-   must be aborted (ncclCommAbort), as uly_nccl_wait does. */
+   ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most timeout_s
+   seconds (0: no limit). Failures return ULY_ECOMM with NCCL's message. After an asynchronous
+   one (a peer or the network failed) or a timeout the communicator is unusable: the caller,
+   who owns it, must ncclCommAbort it (which also lets a stuck stream drain). Nothing here
+   aborts or destroys a communicator. */
 enum { ULY_NCCL_SCRATCH = 64 };
 typedef struct uly_nccl {
     ncclComm_t comm;
     double *scratch;
+    double timeout_s;
 } uly_nccl;
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
 /* Splits world into SP groups of sp_size consecutive ranks and DP groups across them (a
@@ -134,7 +139,7 @@ ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
 ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, ncclComm_t *dp);
 /* Waits until the work queued on stream is done, polling NCCL for an asynchronous error (a
    peer that died, a network failure). On such an error, or after timeout_s seconds (0: no
-   limit), it aborts comm, so the stream can drain, and returns ULY_ECOMM: never a silent hang. */
+   limit), it returns ULY_ECOMM: never a silent hang. Then comm is unusable; abort it. */
 ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s);
 #endif
 
@@ -595,12 +600,21 @@ ULYDEF uly_layout uly_cuda_layout(void) {
    moves the bytes. alltoallv: record "ready" on my stream; trade block addresses with every
    peer over the host comm; make my stream wait for each sender's ready event and copy its block
    into my receive buffer; record "done"; meet; and make my stream wait for every peer's done
-   event, so work queued after the call cannot overwrite my send buffer while a peer reads it. */
+   event, so work queued after the call cannot overwrite my send buffer while a peer reads it.
+   The events belong to the world and outlive every rank: a slow rank may still wait on the
+   events of a peer that has already returned. */
+
+typedef struct uly__dl_world {
+    void (*fn)(const uly_comm *comm, void *user);
+    void *user;
+    int device;
+    cudaEvent_t ready[ULY_MAX_SP], done[ULY_MAX_SP]; /* rank r's */
+    uly_status st[ULY_MAX_SP];                       /* of each rank's cudaSetDevice */
+} uly__dl_world;
 
 typedef struct uly__dl_rank {
     const uly_comm *host;
-    cudaEvent_t ready, done; /* mine */
-    cudaEvent_t peer_ready[ULY_MAX_SP], peer_done[ULY_MAX_SP];
+    const uly__dl_world *w;
 } uly__dl_rank;
 
 typedef struct uly__dl_block { /* what a sender tells receiver j */
@@ -629,22 +643,25 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
         out[j].src = st.code ? NULL : (const char *)send + send_offs[j];
         out[j].bytes = st.code ? -1 : send_counts[j];
     }
-    cudaError_t e = cudaEventRecord(me->ready, s);
+    const int r = me->host->rank;
+    cudaError_t e = cudaEventRecord(me->w->ready[r], s);
     ULY__TRY(uly__dl_trade(me->host, out, in, sizeof *out));
     for (int i = 0; i < P && !st.code; i++) {
         if (in[i].bytes != recv_counts[i])
             st = uly__err(ULY_ECOMM, "alltoallv: rank %d sends %lld bytes to rank %d, which "
-                          "expects %lld", i, ULY__LL(in[i].bytes), me->host->rank,
-                          ULY__LL(recv_counts[i]));
-        else if (in[i].bytes && !e && !(e = cudaStreamWaitEvent(s, me->peer_ready[i], 0)))
+                          "expects %lld", i, ULY__LL(in[i].bytes), r, ULY__LL(recv_counts[i]));
+        else if (in[i].bytes && !e && !(e = cudaStreamWaitEvent(s, me->w->ready[i], 0)))
             e = cudaMemcpyAsync((char *)recv + recv_offs[i], in[i].src, (size_t)in[i].bytes,
                                 cudaMemcpyDeviceToDevice, s);
     }
-    if (!e) e = cudaEventRecord(me->done, s);
-    uly_status met = me->host->barrier(me->host->ctx);
-    for (int i = 0; i < P && !e; i++) e = cudaStreamWaitEvent(s, me->peer_done[i], 0);
+    if (!e) e = cudaEventRecord(me->w->done[r], s);
+    double failed = st.code != 0; /* meet, and learn whether any receiver found a mismatch */
+    uly_status met = me->host->allreduce_sum(me->host->ctx, &failed, 1, NULL);
+    for (int i = 0; i < P && !e; i++) e = cudaStreamWaitEvent(s, me->w->done[i], 0);
     ULY__TRY(st);
     ULY__TRY(met);
+    ULY__CHECK(failed == 0, ULY_ECOMM, "alltoallv: %g rank(s) received counts that do not match "
+               "their senders'", failed);
     return uly__cuda(e, "device-local alltoallv");
 }
 
@@ -673,59 +690,44 @@ static uly_status uly__dl_barrier(void *ctx) {
     return host->barrier(host->ctx);
 }
 
-typedef struct uly__dl_world {
-    void (*fn)(const uly_comm *comm, void *user);
-    void *user;
-    int device;
-    uly_status st[ULY_MAX_SP]; /* of each rank's setup */
-} uly__dl_world;
-
-/* This thread's GPU and events, and every peer's events. */
-static uly_status uly__dl_setup(uly__dl_rank *me, int device) {
-    cudaEvent_t mine[2 * ULY_MAX_SP], peers[2 * ULY_MAX_SP];
-    const int P = me->host->size;
-    cudaError_t e = cudaSetDevice(device);
-    if (!e) e = cudaEventCreateWithFlags(&me->ready, cudaEventDisableTiming);
-    if (!e) e = cudaEventCreateWithFlags(&me->done, cudaEventDisableTiming);
-    ULY__TRY(uly__cuda(e, "device-local comm setup"));
-    for (int j = 0; j < P; j++) mine[2 * j] = me->ready, mine[2 * j + 1] = me->done;
-    ULY__TRY(uly__dl_trade(me->host, mine, peers, 2 * sizeof *mine));
-    for (int i = 0; i < P; i++)
-        me->peer_ready[i] = peers[2 * i], me->peer_done[i] = peers[2 * i + 1];
-    return uly__ok();
-}
-
 static void uly__dl_main(const uly_comm *host, void *user) {
     uly__dl_world *w = (uly__dl_world *)user;
-    uly__dl_rank me;
-    memset(&me, 0, sizeof me);
-    me.host = host;
-    w->st[host->rank] = uly__dl_setup(&me, w->device);
-    if (!w->st[host->rank].code) {
-        uly_comm c;
-        memset(&c, 0, sizeof c);
-        c.size = host->size, c.rank = host->rank;
-        c.alltoallv = uly__dl_alltoallv;
-        c.allreduce_sum = uly__dl_allreduce;
-        c.barrier = uly__dl_barrier;
-        c.ctx = &me;
-        c.device = 1;
-        w->fn(&c, w->user);
-    }
-    /* Peers may still wait on my events: destroying them is safe, CUDA keeps the work. */
-    if (me.ready) cudaEventDestroy(me.ready);
-    if (me.done) cudaEventDestroy(me.done);
+    uly__dl_rank me = {host, w};
+    w->st[host->rank] = uly__cuda(cudaSetDevice(w->device), "device-local comm: cudaSetDevice");
+    if (w->st[host->rank].code) return;
+    uly_comm c;
+    memset(&c, 0, sizeof c);
+    c.size = host->size, c.rank = host->rank;
+    c.alltoallv = uly__dl_alltoallv;
+    c.allreduce_sum = uly__dl_allreduce;
+    c.barrier = uly__dl_barrier;
+    c.ctx = &me;
+    c.device = 1;
+    w->fn(&c, w->user);
 }
 
 ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
                                      void *user) {
     uly__dl_world w;
+    uly_status st = uly__ok();
+    int made = 0;
     memset(&w, 0, sizeof w);
     w.fn = fn, w.user = user;
     ULY__CHECK(fn, ULY_EINVAL, "fn is NULL");
+    ULY__CHECK(size >= 1 && size <= ULY_MAX_SP, ULY_EINVAL, "size (%d) must be in [1, %d]", size,
+               ULY_MAX_SP);
     ULY__TRY(uly__cuda(cudaGetDevice(&w.device), "uly_cuda_local_run: cudaGetDevice"));
-    uly_status st = uly_local_run(size, uly__dl_main, &w);
+    for (; made < size && !st.code; made++) {
+        cudaError_t e = cudaEventCreateWithFlags(&w.ready[made], cudaEventDisableTiming);
+        if (!e) e = cudaEventCreateWithFlags(&w.done[made], cudaEventDisableTiming);
+        st = uly__cuda(e, "uly_cuda_local_run: cudaEventCreate");
+    }
+    if (!st.code) st = uly_local_run(size, uly__dl_main, &w);
     for (int r = 0; r < size && !st.code; r++) st = w.st[r];
+    for (int r = 0; r < made; r++) {
+        if (w.ready[r]) cudaEventDestroy(w.ready[r]);
+        if (w.done[r]) cudaEventDestroy(w.done[r]);
+    }
     return st;
 }
 
@@ -970,13 +972,12 @@ static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, in
 }
 #endif
 
-static int uly__on_device(const void *p) {
+/* Since CUDA 11 plain host memory is an answer (cudaMemoryTypeUnregistered), not an error. */
+static uly_status uly__on_device(const void *p, int *device) {
     cudaPointerAttributes a;
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-        cudaGetLastError(); /* not an error worth keeping: p is plain host memory */
-        return 0;
-    }
-    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+    ULY__TRY(uly__cuda(cudaPointerGetAttributes(&a, p), "allreduce_sum: cudaPointerGetAttributes"));
+    *device = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+    return uly__ok();
 }
 
 static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStream_t s) {
@@ -991,17 +992,22 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
     cudaStream_t s = (cudaStream_t)stream;
     ULY__CHECK(count >= 0 && (buf || !count), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 "
                "and buf not NULL", ULY__LL(count));
-    if (!count || uly__on_device(buf)) return uly__nccl_sum(n, buf, count, s);
+    int device = 0;
+    if (count) ULY__TRY(uly__on_device(buf, &device));
+    if (!count || device) return uly__nccl_sum(n, buf, count, s);
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "allreduce_sum of host memory: uly_nccl.scratch is "
                "NULL (it needs %d doubles of device memory)", (int)ULY_NCCL_SCRATCH);
     for (int64_t at = 0; at < count; at += ULY_NCCL_SCRATCH) {
-        const int64_t m = uly__min(ULY_NCCL_SCRATCH, count - at);
-        ULY__TRY(uly__cuda(cudaMemcpyAsync(n->scratch, buf + at, (size_t)m * sizeof(double),
-                                           cudaMemcpyHostToDevice, s), "allreduce_sum"));
-        ULY__TRY(uly__nccl_sum(n, n->scratch, m, s));
-        ULY__TRY(uly__cuda(cudaMemcpyAsync(buf + at, n->scratch, (size_t)m * sizeof(double),
-                                           cudaMemcpyDeviceToHost, s), "allreduce_sum"));
-        ULY__TRY(uly_nccl_wait(n->comm, stream, 0));
+        const size_t bytes = (size_t)uly__min(ULY_NCCL_SCRATCH, count - at) * sizeof(double);
+        ULY__TRY(uly__cuda(cudaMemcpyAsync(n->scratch, buf + at, bytes, cudaMemcpyHostToDevice,
+                                           s), "allreduce_sum"));
+        ULY__TRY(uly__nccl_sum(n, n->scratch, (int64_t)(bytes / sizeof(double)), s));
+        /* Waited for before the copy back: a copy to pageable memory blocks the thread until
+           it is done, which a collective stuck on a dead peer never is. */
+        ULY__TRY(uly_nccl_wait(n->comm, stream, n->timeout_s));
+        ULY__TRY(uly__cuda(cudaMemcpyAsync(buf + at, n->scratch, bytes, cudaMemcpyDeviceToHost,
+                                           s), "allreduce_sum"));
+        ULY__TRY(uly__cuda(cudaStreamSynchronize(s), "allreduce_sum"));
     }
     return uly__ok();
 }
@@ -1012,7 +1018,7 @@ static uly_status uly__nccl_barrier(void *ctx) {
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "barrier: uly_nccl.scratch is NULL (it needs %d "
                "doubles of device memory)", (int)ULY_NCCL_SCRATCH);
     ULY__TRY(uly__nccl_sum(n, n->scratch, 1, 0));
-    return uly_nccl_wait(n->comm, 0, 0);
+    return uly_nccl_wait(n->comm, 0, n->timeout_s);
 }
 
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
@@ -1036,6 +1042,7 @@ ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, 
     int size = 0, rank = 0;
     ULY__CHECK(world && sp && dp, ULY_EINVAL, "uly_nccl_split: %s is NULL",
                !world ? "world" : !sp ? "sp" : "dp");
+    *sp = *dp = NULL;
     ULY__TRY(uly__nccl(ncclCommCount(world, &size), world, "uly_nccl_split: ncclCommCount"));
     ULY__TRY(uly__nccl(ncclCommUserRank(world, &rank), world, "uly_nccl_split: ncclCommUserRank"));
     ULY__CHECK(sp_size >= 1 && size % sp_size == 0, ULY_EINVAL, "uly_nccl_split: sp_size (%d) must "
@@ -1066,11 +1073,10 @@ ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s)
             (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
         if (!st.code && timeout_s > 0 && waited > timeout_s)
             st = uly__err(ULY_ECOMM, "uly_nccl_wait: the stream is not done after %.1f s (a peer "
-                          "may be gone); the communicator was aborted", waited);
-        if (st.code) {
-            ncclCommAbort(comm);
-            return st;
-        }
+                          "may be gone)", waited);
+        if (st.code)
+            return uly__err(ULY_ECOMM, "%s; the communicator is unusable: ncclCommAbort it",
+                            st.msg);
         nanosleep(&nap, NULL);
     }
 }
@@ -1800,6 +1806,14 @@ static int64_t uly__fa_workspace(void *ctx, const uly_attn_args *a) {
     return uly__fa_align(rows * 4) + (a->deterministic ? 0 : uly__fa_align(rows * a->q.d * 4));
 }
 
+/* The flash kernels and the backward pre- and post-passes move 16-byte chunks of rows. */
+static uly_status uly__fa_rows16(const uly_tensor &t, const char *name) {
+    ULY__CHECK((uintptr_t)t.data % 16 == 0 && t.sb % 8 == 0 && t.ss % 8 == 0 && t.sh % 8 == 0,
+               ULY_EUNSUPPORTED, "%s: rows move in 16-byte chunks: the address must be 16-byte "
+               "aligned and the strides multiples of 8 elements", name);
+    return uly__ok();
+}
+
 /* The rules the kernels add to the contract: dtype, head dim, 16-byte rows, int32 positions. */
 static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, int backward,
                                 uly__fa_params *p) {
@@ -1811,19 +1825,15 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
                "takes any D <= 256, D %% 8 == 0)", ULY__LL(a->q.d));
     const uly_tensor *ts[8] = {&a->q, &a->k, &a->v, &a->o, &a->dout, &a->dq, &a->dk, &a->dv};
     const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
-    for (int i = 0; i < (backward ? 8 : 4); i++)
-        ULY__CHECK((uintptr_t)ts[i]->data % 16 == 0 && ts[i]->sb % 8 == 0 && ts[i]->ss % 8 == 0 &&
-                       ts[i]->sh % 8 == 0, ULY_EUNSUPPORTED,
-                   "%s: the flash kernels move 16-byte chunks: the address must be 16-byte "
-                   "aligned and the strides multiples of 8 elements", names[i]);
-    ULY__CHECK(a->q.s < INT32_MAX && a->k.s < INT32_MAX, ULY_EOVERFLOW,
-               "q.s (%lld), k.s (%lld): sequence positions must fit in int32", ULY__LL(a->q.s),
-               ULY__LL(a->k.s));
+    for (int i = 0; i < (backward ? 8 : 4); i++) ULY__TRY(uly__fa_rows16(*ts[i], names[i]));
+    ULY__CHECK(a->q.s <= 1 << 30 && a->k.s <= 1 << 30, ULY_EOVERFLOW,
+               "q.s (%lld), k.s (%lld): at most 2^30, so positions and tile ends fit in int32",
+               ULY__LL(a->q.s), ULY__LL(a->k.s));
     ULY__CHECK(a->softmax_scale >= 0, ULY_EUNSUPPORTED,
-               "softmax_scale (%g): the flash kernels take a positive scale",
+               "softmax_scale (%g): the flash kernels take a positive scale (0: 1/sqrt(D))",
                (double)a->softmax_scale);
-    ULY__CHECK(!backward || a->workspace, ULY_EINVAL,
-               "workspace is NULL (workspace() gives its bytes)");
+    ULY__CHECK(!backward || (a->workspace && (uintptr_t)a->workspace % 16 == 0), ULY_EINVAL,
+               "workspace is NULL or not 16-byte aligned (workspace() gives its bytes)");
     ULY__CHECK(!vl || (a->q.b == 1 && vl->batch >= 1 && vl->cu_seqlens_q && vl->cu_seqlens_k &&
                        vl->max_seqlen_q >= 0 && vl->max_seqlen_q <= a->q.s &&
                        vl->max_seqlen_k >= 0 && vl->max_seqlen_k <= a->k.s && vl->batch < 65536),
@@ -1871,7 +1881,14 @@ static int uly__fa_cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 template <typename... P>
 static uly_status uly__fa_launch(void (*kernel)(P...), const char *name, dim3 grid, int threads,
                                  size_t smem, cudaStream_t stream, const uly__fa_params &p) {
+    int device = 0, most = 0;
     if (!grid.x || !grid.y || !grid.z) return uly__ok();
+    ULY__TRY(uly__cuda(cudaGetDevice(&device), name));
+    ULY__TRY(uly__cuda(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                              device), name));
+    ULY__CHECK(smem <= (size_t)most, ULY_EUNSUPPORTED, "%s needs %zu bytes of shared memory per "
+               "block and this GPU has %d (A100 and H100 have 163 KB and 227 KB; elsewhere "
+               "uly_cublaslt_attention covers this head dim)", name, smem, most);
     ULY__TRY(uly__cuda(cudaFuncSetAttribute((const void *)kernel,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                        name));
@@ -2108,7 +2125,9 @@ static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int ba
     ULY__CHECK(Sq > 0 && Sk > 0, ULY_EUNSUPPORTED,
                "q.s (%lld), k.s (%lld): the cuBLASLt attention needs rows and keys", ULY__LL(Sq),
                ULY__LL(Sk));
-    if (backward) {
+    if (backward) { /* Dsum by the flash pre-pass */
+        ULY__TRY(uly__fa_rows16(a->o, "o"));
+        ULY__TRY(uly__fa_rows16(a->dout, "dout"));
         uly__fa_params p;
         memset(&p, 0, sizeof p);
         p.o = a->o, p.dout = a->dout, p.q = a->q, p.dsum = w.dsum, p.lse_sb = H * Sq, p.lse_sh = Sq;
@@ -2122,6 +2141,18 @@ static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int ba
             const int64_t h0 = max((int64_t)0, (j + g0) * g - a->q_head0);
             const int64_t n = min(H, (j + g0 + 1) * g - a->q_head0) - h0;
             const int rows = (int)(n * Sq);
+            T *dk = (T *)a->dk.data + b * a->dk.sb + j * a->dk.sh;
+            T *dv = (T *)a->dv.data + b * a->dv.sb + j * a->dv.sh;
+            if (n <= 0) { /* a kv head no query head of this slice reads: no output, no gradient */
+                if (!backward) continue;
+                cudaError_t e = cudaMemset2DAsync(dk, (size_t)a->dk.ss * sizeof(T), 0,
+                                                  (size_t)D * sizeof(T), (size_t)Sk, stream);
+                if (!e)
+                    e = cudaMemset2DAsync(dv, (size_t)a->dv.ss * sizeof(T), 0,
+                                          (size_t)D * sizeof(T), (size_t)Sk, stream);
+                ULY__TRY(uly__cuda(e, "cudaMemset2DAsync"));
+                continue;
+            }
             const T *q = (const T *)a->q.data + b * a->q.sb + h0 * a->q.sh;
             const T *k = (const T *)a->k.data + b * a->k.sb + j * a->k.sh;
             const T *v = (const T *)a->v.data + b * a->v.sb + j * a->v.sh;
@@ -2161,8 +2192,6 @@ static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int ba
                 ULY__TRY(uly__lt_gemm(h, dSi, 1, Qi, 0, dK, 1.f, i ? 1.f : 0.f, 1, w.lt, stream));
                 ULY__TRY(uly__lt_gemm(h, Pi, 1, dOi, 0, dV, 1.f, i ? 1.f : 0.f, 1, w.lt, stream));
             }
-            T *dk = (T *)a->dk.data + b * a->dk.sb + j * a->dk.sh;
-            T *dv = (T *)a->dv.data + b * a->dv.sb + j * a->dv.sh;
             ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
                        (const float *)w.dk, dk, a->dk.ss, Sk, D);
             ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,

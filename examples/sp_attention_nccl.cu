@@ -95,7 +95,7 @@ int main(int argc, char **argv) {
     MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
     if (ncclCommInitRank(&all, world, id, rank) != ncclSuccess) MPI_Abort(MPI_COMM_WORLD, 1);
     ulysses_ok(uly_nccl_split(all, P, &sp, &dp), "uly_nccl_split");
-    uly_nccl nccl = {sp, NULL};
+    uly_nccl nccl = {sp, NULL, 60.0}; /* host-side waits give up after a minute */
     CUDA_OK(cudaMalloc((void **)&nccl.scratch, ULY_NCCL_SCRATCH * sizeof(double)));
     uly_comm comm;
     ulysses_ok(uly_nccl_comm(&nccl, &comm), "uly_nccl_comm");
@@ -172,6 +172,7 @@ int main(int argc, char **argv) {
     if (rank == 0)
         printf("%s\n", any_bad ? "FAIL" : "ok: the SP layer matches unsharded attention");
 
+    cudaFree(nccl.scratch);
     ncclCommDestroy(dp), ncclCommDestroy(sp), ncclCommDestroy(all);
     MPI_Finalize();
     return any_bad;

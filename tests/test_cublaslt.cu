@@ -9,7 +9,9 @@
      bound (twice the error of a plain attention in that precision, plus 1e-3). Strided tensors,
      a GQA group split across SP ranks and rows that keep no key too.
    - Head dims the flash kernels do not take (8, 96, 256) meet the accuracy rule; others are a
-     named error.
+     named error, as are backward o and dout rows not in 16-byte chunks. A kv head no query head
+     reads gets zero gradients. Where the flash backward needs more shared memory than the GPU
+     has, it says so and this path runs (emulated: a smaller GPU).
    Under the emulator (make test) cuBLASLt is tests/emu/cublaslt_emu.cpp, a double that computes
    the documented GEMM and refuses what it does not model; on a GPU (make test-gpu) it is the real
    library, and the first test is what shows the double models it. */
@@ -95,6 +97,14 @@ TEST(cublaslt_strided_split_group_masked_rows) {
     agree(make_case({1, 150, 20, 2, 1, 1}, 64, ULY_BF16));
 }
 
+/* Two query heads of a group of 2 and two kv heads: kv head 1 is read by no query head, so its
+   dK and dV are 0 (the reference's sums over no query are 0), as in the flash kernels. */
+TEST(cublaslt_kv_head_that_no_query_head_reads_gets_zero_gradients) {
+    fcase c = make_case({1, 65, 65, 2, 2, 1}, 64, ULY_BF16);
+    c.kv_group = 2;
+    agree(c);
+}
+
 TEST(cublaslt_other_head_dims) {
     for (int64_t D : {8, 96, 256}) {
         const fcase c = make_case({2, 129, 77, 4, 2, 1}, D, ULY_BF16);
@@ -111,7 +121,7 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
     const uly_attn lt = uly_cublaslt_attention(lt_handle());
     uly_attn_args a;
     memset(&a, 0, sizeof a);
-    char buf[64];
+    alignas(16) char buf[64];
     a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 1, 12);
     a.k = a.v = a.dk = a.dv = a.q;
     a.lse = (float *)buf, a.workspace = buf;
@@ -119,9 +129,50 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
     CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "D <= 256, D % 8 == 0"), "D = 12: '%s'",
           st.msg);
     a.workspace = NULL;
-    a.q.d = a.k.d = a.v.d = a.o.d = 8;
+    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 1, 8);
+    a.k = a.v = a.dk = a.dv = a.q;
     st = lt.fwd(lt.ctx, &a);
     CHECK(st.code == ULY_EINVAL && strstr(st.msg, "workspace is NULL"), "'%s'", st.msg);
+    /* The backward's Dsum pass reads o and dout in 16-byte chunks. */
+    a.workspace = buf;
+    a.o.data = buf + 2;
+    st = lt.bwd(lt.ctx, &a);
+    CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "o: rows move in 16-byte chunks"),
+          "o one element in: '%s'", st.msg);
+    a.o.data = buf, a.dout.ss = 12;
+    st = lt.bwd(lt.ctx, &a);
+    CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "dout: rows move in 16-byte chunks"),
+          "dout rows 12 elements apart: '%s'", st.msg);
 }
+
+#ifdef ULY_EMU
+/* On a GPU with 99 KB of shared memory per block (sm_86, sm_89) the D = 128 flash backward
+   (161 KB) cannot launch: a named error that points to this path, which then runs. The emulator
+   plays the smaller GPU; a real one has the shared memory it has. */
+TEST(flash_backward_beyond_the_gpus_shared_memory_is_a_named_error_and_cublaslt_runs) {
+    enum { D = 128 };
+    void *t[8];
+    for (void *&p : t) cudaMalloc(&p, D * 2), cudaMemset(p, 0, D * 2);
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = uly_dense(t[0], ULY_BF16, 1, 1, 1, D), a.k = uly_dense(t[1], ULY_BF16, 1, 1, 1, D);
+    a.v = uly_dense(t[2], ULY_BF16, 1, 1, 1, D), a.o = uly_dense(t[3], ULY_BF16, 1, 1, 1, D);
+    a.dout = uly_dense(t[4], ULY_BF16, 1, 1, 1, D), a.dq = uly_dense(t[5], ULY_BF16, 1, 1, 1, D);
+    a.dk = uly_dense(t[6], ULY_BF16, 1, 1, 1, D), a.dv = uly_dense(t[7], ULY_BF16, 1, 1, 1, D);
+    cudaMalloc((void **)&a.lse, 4);
+    const uly_attn fa = uly_flash_attention(), lt = uly_cublaslt_attention(lt_handle());
+    cudaMalloc(&a.workspace, (size_t)std::max(fa.workspace(fa.ctx, &a), lt.workspace(lt.ctx, &a)));
+    uly_emu_set_smem_optin(99 * 1024);
+    const uly_status fwd = fa.fwd(fa.ctx, &a), bwd = fa.bwd(fa.ctx, &a), lt_bwd = lt.bwd(lt.ctx, &a);
+    uly_emu_set_smem_optin(0);
+    CHECK(!fwd.code, "the forward fits in 99 KB: '%s'", fwd.msg);
+    CHECK(bwd.code == ULY_EUNSUPPORTED && strstr(bwd.msg, "uly__flash_bwd_kv needs 164864 bytes") &&
+              strstr(bwd.msg, "has 101376") && strstr(bwd.msg, "uly_cublaslt_attention"),
+          "'%s'", bwd.msg);
+    CHECK(!lt_bwd.code, "cuBLASLt backward: '%s'", lt_bwd.msg);
+    for (void *p : t) cudaFree(p);
+    cudaFree(a.lse), cudaFree(a.workspace);
+}
+#endif
 
 int main(void) { return uly_run_tests(); }

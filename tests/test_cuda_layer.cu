@@ -355,6 +355,9 @@ TEST(device_local_count_mismatch_is_an_error_not_a_hang) {
     CHECK(!st.code, "%s", st.msg);
     CHECK(j.st[1].code == ULY_ECOMM && strstr(j.st[1].msg, "rank 0 sends 2 bytes to rank 1"),
           "rank 1: '%s'", j.st[1].msg);
+    for (int r = 0; r < 4; r++)
+        CHECK(r == 1 || (j.st[r].code == ULY_ECOMM && strstr(j.st[r].msg, "do not match")),
+              "rank %d: '%s'", r, j.st[r].msg);
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -11,19 +11,22 @@
    - alltoallv: every byte lands where the counts and offsets say and no other byte is written,
      through one ncclSend and one ncclRecv per non-empty block, never ncclAlltoAll (a collective
      all ranks would have to choose alike): for uniform counts, uneven counts with empty blocks,
-     uniform counts with gaps, and counts uniform on one rank only; a send/recv count mismatch
-     is an error on both ranks, not a hang. alltoall: one ncclAlltoAll per rank.
+     uniform counts with gaps, and counts uniform on one rank only; a failing ncclGroupEnd (the
+     double's answer to a send/recv count mismatch, which real NCCL cannot see: it would hang
+     until uly_nccl_wait's timeout) is ULY_ECOMM on both ranks. alltoall: one ncclAlltoAll per
+     rank.
    - allreduce_sum: device memory directly, host memory through scratch in chunks of
      ULY_NCCL_SCRATCH, every rank getting the same sum; without scratch, host memory and barrier
-     are ULY_EUNSUPPORTED; barrier returns on no rank before every rank has called it.
+     are ULY_EUNSUPPORTED; barrier returns on no rank before every rank has called it; both
+     give up on a stalled stream after uly_nccl.timeout_s.
    - uly_nccl_split: SP groups of consecutive ranks and DP groups across them (sizes, ranks and
      members), by ncclCommSplit's color/key rule, checked on the double too; an sp_size that
      does not divide the world is ULY_EINVAL.
    - Errors: a failing ncclSend, ncclAlltoAll or ncclAllReduce is ULY_ECOMM quoting NCCL's error
      string and last error; an asynchronous error fails the next call, and uly_nccl_wait reports
-     it (on a stalled stream and on a finished one) and aborts the communicator; so does a
-     stream not done within the timeout; a failed DP split leaves no SP communicator behind;
-     NULL arguments are ULY_EINVAL.
+     it (on a stalled stream and on a finished one); so does a stream not done within the
+     timeout; neither aborts the caller's communicator, and the message says to; a failed DP
+     split leaves no SP communicator behind; NULL arguments are ULY_EINVAL.
 
    Emulator only: NCCL refuses two ranks on one GPU, so this cannot run on a single real GPU.
    The NCCL code on GPUs is make test-gpu's MPI run of examples/sp_attention_nccl.cu. */
@@ -60,6 +63,8 @@ typedef struct nccl_job {
     ncclUniqueId id;
     void (*fn)(const uly_comm *comm, void *user);
     void *user;
+    double timeout_s; /* uly_nccl.timeout_s */
+    int abort;        /* abort the communicators at the end (a test timed out on purpose) */
     uly_status st[4];
 } nccl_job;
 
@@ -72,24 +77,33 @@ static void nccl_rank(const uly_comm *local, void *user) {
     }
     double *scratch = NULL;
     cudaMalloc((void **)&scratch, ULY_NCCL_SCRATCH * sizeof(double));
-    uly_nccl n = {comm, scratch};
+    uly_nccl n = {comm, scratch, j->timeout_s};
     uly_comm c;
     j->st[local->rank] = uly_nccl_comm(&n, &c);
     if (!j->st[local->rank].code) j->fn(&c, j->user);
-    if (!uly_emu_nccl_aborted(comm)) ncclCommDestroy(comm); /* ncclCommAbort freed it */
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(comm, &async);
+    if (async != ncclSuccess || j->abort) ncclCommAbort(comm); /* as the library says to */
+    else ncclCommDestroy(comm);
     cudaFree(scratch);
 }
 
 /* fn on `size` ranks of a new NCCL communicator, each with ULY_NCCL_SCRATCH doubles of scratch
-   (an sp_runner); the first error of the run. */
-static uly_status nccl_run(int size, void (*fn)(const uly_comm *comm, void *user), void *user) {
+   and the given timeout; the first error of the run. */
+static uly_status nccl_run_timed(int size, void (*fn)(const uly_comm *comm, void *user),
+                                 void *user, double timeout_s) {
     nccl_job j;
     memset(&j, 0, sizeof j);
-    j.fn = fn, j.user = user;
+    j.fn = fn, j.user = user, j.timeout_s = timeout_s, j.abort = timeout_s > 0;
     ncclGetUniqueId(&j.id);
     uly_status st = uly_local_run(size, nccl_rank, &j);
     for (int r = 0; r < size && !st.code; r++) st = j.st[r];
     return st;
+}
+
+/* The same with no time limit (an sp_runner). */
+static uly_status nccl_run(int size, void (*fn)(const uly_comm *comm, void *user), void *user) {
+    return nccl_run_timed(size, fn, user, 0);
 }
 
 /* An injected failure: the next `call` on every rank's communicator returns r. */
@@ -279,8 +293,9 @@ TEST(alltoallv_with_counts_uniform_on_one_rank_only) {
     }
 }
 
-/* Rank 1 expects 3 bytes from rank 0, which sends 2: NCCL would hang; both ends fail. */
-TEST(alltoallv_count_mismatch_is_an_error_on_both_ranks_not_a_hang) {
+/* Rank 1 expects 3 bytes from rank 0, which sends 2: the double fails ncclGroupEnd on both
+   ranks (real NCCL would hang), and both calls return that as ULY_ECOMM. */
+TEST(a_failing_ncclGroupEnd_is_ecomm_on_both_ranks) {
     a2a_job j;
     memset(&j, 0, sizeof j);
     j.shape = UNEVEN, j.mismatch = 1;
@@ -413,7 +428,7 @@ typedef struct bare_job {
 /* A second uly_nccl over the rank's communicator, without scratch. */
 static void bare_main(const uly_comm *c, void *user) {
     bare_job *j = (bare_job *)user;
-    uly_nccl bare = {nccl_of(c), NULL};
+    uly_nccl bare = {nccl_of(c), NULL, 0};
     uly_comm b;
     if (uly_nccl_comm(&bare, &b).code) return;
     double host[2] = {1, 2};
@@ -481,7 +496,7 @@ static void split_main(const uly_comm *c, void *user) {
     ncclComm_t group[2] = {NULL, NULL};
     j->st[r] = uly_nccl_split(nccl_of(c), j->sp_size, &group[0], &group[1]);
     for (int g = 0; g < 2 && !j->st[r].code; g++) {
-        uly_nccl n = {group[g], NULL};
+        uly_nccl n = {group[g], NULL, 0};
         uly_comm gc;
         j->st[r] = uly_nccl_comm(&n, &gc);
         j->size[r][g] = gc.size, j->rank[r][g] = gc.rank;
@@ -671,8 +686,9 @@ static void async_wait_main(const uly_comm *c, void *user) {
     cudaStreamDestroy(s);
 }
 
-/* Stalled or finished: a finished stream does not mean the peers are well. */
-TEST(wait_reports_an_async_error_and_aborts_the_communicator) {
+/* Stalled or finished: a finished stream does not mean the peers are well. The communicator
+   is the caller's: the library says to abort it and leaves that to its owner. */
+TEST(wait_reports_an_async_error_and_leaves_the_abort_to_the_caller) {
     for (int stall = 1; stall >= 0; stall--) {
         async_job j;
         memset(&j, 0, sizeof j);
@@ -681,8 +697,9 @@ TEST(wait_reports_an_async_error_and_aborts_the_communicator) {
         CHECK(!st.code, "%s", st.msg);
         for (int r = 0; r < 2; r++) {
             check_ecomm(j.wait[r], r, "uly_nccl_wait", ncclRemoteError, kFaultMsg);
-            CHECK(j.aborted[r], "rank %d (%s stream): the communicator was not aborted", r,
-                  stall ? "stalled" : "finished");
+            CHECK(strstr(j.wait[r].msg, "ncclCommAbort it") && !j.aborted[r],
+                  "rank %d (%s stream): '%s'%s", r, stall ? "stalled" : "finished",
+                  j.wait[r].msg, j.aborted[r] ? ", aborted by the library" : "");
         }
     }
 }
@@ -709,7 +726,7 @@ static void timeout_main(const uly_comm *c, void *user) {
     cudaStreamDestroy(s);
 }
 
-TEST(wait_gives_up_on_a_stalled_stream_after_the_timeout_and_aborts) {
+TEST(wait_gives_up_on_a_stalled_stream_after_the_timeout) {
     timeout_job j;
     memset(&j, 0, sizeof j);
     uly_status st = nccl_run(2, timeout_main, &j);
@@ -718,9 +735,51 @@ TEST(wait_gives_up_on_a_stalled_stream_after_the_timeout_and_aborts) {
         CHECK(!j.idle[r].code && !j.aborted_idle[r], "rank %d, a finished stream: '%s'%s", r,
               j.idle[r].msg, j.aborted_idle[r] ? ", aborted" : "");
         CHECK(j.stalled[r].code == ULY_ECOMM && strstr(j.stalled[r].msg, "not done after") &&
-                  j.aborted[r] && j.waited[r] >= 0.05,
-              "rank %d: '%s' after %.3f s, %s", r, j.stalled[r].msg, j.waited[r],
-              j.aborted[r] ? "aborted" : "not aborted");
+                  strstr(j.stalled[r].msg, "ncclCommAbort it") && !j.aborted[r] &&
+                  j.waited[r] >= 0.05,
+              "rank %d: '%s' after %.3f s%s", r, j.stalled[r].msg, j.waited[r],
+              j.aborted[r] ? ", aborted by the library" : "");
+    }
+}
+
+/* The waits inside the communicator: host-memory allreduce_sum and barrier on a stalled stream
+   (as behind a collective stuck on a dead peer) return after uly_nccl.timeout_s. */
+typedef struct stuck_job {
+    uly_status sum[4], barrier[4];
+    double sum_s[4], barrier_s[4];
+} stuck_job;
+
+static void stuck_main(const uly_comm *c, void *user) {
+    stuck_job *j = (stuck_job *)user;
+    const int r = c->rank;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    double host[2] = {1, 2};
+    uly_emu_stall_stream(s, true);
+    double t0 = seconds();
+    j->sum[r] = c->allreduce_sum(c->ctx, host, 2, s);
+    j->sum_s[r] = seconds() - t0;
+    uly_emu_stall_stream(s, false);
+    uly_emu_stall_stream(NULL, true);
+    t0 = seconds();
+    j->barrier[r] = c->barrier(c->ctx);
+    j->barrier_s[r] = seconds() - t0;
+    uly_emu_stall_stream(NULL, false);
+    cudaStreamDestroy(s);
+}
+
+TEST(host_allreduce_and_barrier_give_up_after_the_communicators_timeout) {
+    stuck_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run_timed(2, stuck_main, &j, 0.05);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++) {
+        CHECK(j.sum[r].code == ULY_ECOMM && strstr(j.sum[r].msg, "not done after") &&
+                  j.sum_s[r] >= 0.05,
+              "rank %d allreduce: '%s' after %.3f s", r, j.sum[r].msg, j.sum_s[r]);
+        CHECK(j.barrier[r].code == ULY_ECOMM && strstr(j.barrier[r].msg, "not done after") &&
+                  j.barrier_s[r] >= 0.05,
+              "rank %d barrier: '%s' after %.3f s", r, j.barrier[r].msg, j.barrier_s[r]);
     }
 }
 
@@ -729,7 +788,7 @@ TEST(null_arguments_are_einval) {
     ncclComm_t world, sp, dp;
     ncclGetUniqueId(&id);
     CHECK(ncclCommInitRank(&world, 1, id, 0) == ncclSuccess, "%s", ncclGetLastError(NULL));
-    uly_nccl n = {world, NULL}, none = {NULL, NULL};
+    uly_nccl n = {world, NULL, 0}, none = {NULL, NULL, 0};
     uly_comm c;
     const struct {
         uly_status st;

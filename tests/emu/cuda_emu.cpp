@@ -1331,9 +1331,13 @@ thread_local bool default_stalled = false;
 
 bool &stall_flag(cudaStream_t s) { return s ? s->stalled : default_stalled; }
 
+std::atomic<size_t> smem_optin{0};  // uly_emu_set_smem_optin; 0: kSmemPerBlock
+size_t smem_optin_now() { return smem_optin ? smem_optin.load() : kSmemPerBlock; }
+
 }  // namespace
 
 void uly_emu_stall_stream(cudaStream_t s, bool stalled) { stall_flag(s) = stalled; }
+void uly_emu_set_smem_optin(size_t bytes) { smem_optin = bytes; }
 
 cudaError_t cudaMalloc(void **p, size_t size) { return alloc(p, size, cudaMemoryTypeDevice); }
 cudaError_t cudaFree(void *p) { return release(p); }
@@ -1377,6 +1381,13 @@ cudaError_t cudaMemset(void *p, int value, size_t count) {
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t count, cudaStream_t) {
     return cudaMemset(p, value, count);
+}
+
+cudaError_t cudaMemset2DAsync(void *p, size_t pitch, int value, size_t width, size_t height,
+                              cudaStream_t) {
+    if (height > 1 && pitch < width) return cudaErrorInvalidValue;
+    for (size_t r = 0; r < height; r++) memset((char *)p + r * pitch, value, width);
+    return cudaSuccess;
 }
 
 cudaError_t cudaMemcpyToSymbol(const void *symbol, const void *src, size_t count, size_t offset,
@@ -1449,7 +1460,7 @@ cudaError_t cudaDeviceReset() {
 cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute attr, int value) {
     if (attr == cudaFuncAttributePreferredSharedMemoryCarveout) return cudaSuccess;
     if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
-        (size_t)value > kSmemPerBlock) {
+        (size_t)value > smem_optin_now()) {
         set_error(cudaErrorInvalidValue);
         return cudaErrorInvalidValue;
     }
@@ -1482,7 +1493,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int device) {
     snprintf(p->name, sizeof p->name, "ulysses CUDA emulator (H100-like)");
     p->totalGlobalMem = (size_t)80 << 30;
     p->sharedMemPerBlock = kSmemDefault;
-    p->sharedMemPerBlockOptin = kSmemPerBlock;
+    p->sharedMemPerBlockOptin = smem_optin_now();
     p->sharedMemPerMultiprocessor = 228 * 1024;
     p->reservedSharedMemPerBlock = 1024;
     p->regsPerBlock = p->regsPerMultiprocessor = 65536;

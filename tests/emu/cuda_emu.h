@@ -25,7 +25,7 @@
 // __launch_bounds__ as nothing. cuda_emu.cpp implements this subset of the runtime, on host
 // memory, every call synchronous:
 //   memory    cudaMalloc cudaFree cudaMallocHost cudaFreeHost cudaPointerGetAttributes
-//             cudaMemcpy cudaMemcpyAsync cudaMemset cudaMemsetAsync
+//             cudaMemcpy cudaMemcpyAsync cudaMemset cudaMemsetAsync cudaMemset2DAsync
 //             cudaMemcpyToSymbol cudaMemcpyFromSymbol
 //   streams   cudaStreamCreate cudaStreamCreateWithFlags cudaStreamDestroy
 //             cudaStreamSynchronize cudaStreamQuery cudaStreamWaitEvent
@@ -97,6 +97,10 @@ void uly_emu_set_quiet(bool quiet);
 // collective waits on a dead peer; nothing else changes. Stream 0 stands for the calling host
 // thread's default stream (each rank thread of tests/emu/nccl_emu.cpp models its own GPU).
 void uly_emu_stall_stream(cudaStream_t s, bool stalled);
+
+// Test hook: the opt-in shared memory per block the device reports and cudaFuncSetAttribute
+// accepts, as on a smaller GPU (sm_86 and sm_89: 99 KB); 0 restores the H100's 227 KB.
+void uly_emu_set_smem_optin(size_t bytes);
 
 // Cost counters for bench/bench_emu.cu: fiber switches since the process started.
 unsigned long long uly_emu_switches();
