@@ -23,6 +23,15 @@ typedef struct fcase {
 
 static const char *dt_name(uly_dtype t) { return t == ULY_BF16 ? "bf16" : "f16"; }
 
+static std::string describe(const fcase &c) {
+    char s[200];
+    snprintf(s, sizeof s, "%s D=%lld B=%lld Sq=%lld Sk=%lld H=%lld Hkv=%lld%s%s%s", dt_name(c.dt),
+             (long long)c.D, (long long)c.B, (long long)c.Sq, (long long)c.Sk, (long long)c.H,
+             (long long)c.Hkv, c.causal ? " causal" : "", c.strided ? " strided" : "",
+             c.deterministic ? " deterministic" : "");
+    return s;
+}
+
 static float round_to(uly_dtype t, double x) {
     if (t == ULY_BF16) return __bfloat162float(__float2bfloat16_rn((float)x));
     if (t == ULY_F16) return __half2float(__float2half_rn((float)x));
@@ -132,7 +141,12 @@ static outputs reference(const fcase &c, const std::vector<int> &cu_q, const std
 }
 
 /* ---------------------------------------------------------------------------------------------
-   Device tensors: dense, or padded (heads D + 8 apart, rows and batches padded by 8 more). */
+   Device tensors: dense, or padded (heads D + 8 apart, rows and batches padded by 8 more). Every
+   allocation has 8 elements past its last batch too. What lies outside the view (the padding)
+   holds pad_bits, a NaN in bf16 and fp16: a kernel that reads it poisons its results, and one
+   that writes it is caught by padding_written. */
+
+static const uint16_t pad_bits = 0xffff;
 
 typedef struct dev_tensor {
     uly_tensor t;
@@ -145,7 +159,8 @@ static dev_tensor dev_alloc(uly_dtype dt, int64_t b, int64_t s, int64_t h, int64
     if (strided) x.t.sh = d + 8, x.t.ss = h * (d + 8) + 8, x.t.sb = s * x.t.ss + 8;
     x.elems = b * x.t.sb + 8;
     CHECK(cudaMalloc(&x.t.data, (size_t)(x.elems * uly_dtype_size(dt))) == cudaSuccess, "malloc");
-    CHECK(cudaMemset(x.t.data, 0xff, (size_t)(x.elems * uly_dtype_size(dt))) == cudaSuccess, "set");
+    const size_t bytes = (size_t)(x.elems * uly_dtype_size(dt));
+    CHECK(cudaMemset(x.t.data, pad_bits & 0xff, bytes) == cudaSuccess, "set");
     return x;
 }
 
@@ -170,7 +185,7 @@ static float from_bits(uly_dtype t, uint16_t bits) {
 
 static void upload(const dev_tensor &x, const fvec &dense) {
     const uly_tensor &t = x.t;
-    std::vector<uint16_t> host((size_t)x.elems, 0);
+    std::vector<uint16_t> host((size_t)x.elems, pad_bits);
     for (int64_t b = 0; b < t.b; b++)
         for (int64_t s = 0; s < t.s; s++)
             for (int64_t h = 0; h < t.h; h++)
@@ -194,6 +209,21 @@ static fvec download(const dev_tensor &x) {
                         from_bits(t.dtype, host[(size_t)(at(t, b, s, h) + d)]);
                 }
     return dense;
+}
+
+/* How many elements outside x's view differ from pad_bits. */
+static int64_t padding_written(const dev_tensor &x) {
+    const uly_tensor &t = x.t;
+    std::vector<uint16_t> host((size_t)x.elems);
+    cudaMemcpy(host.data(), t.data, host.size() * 2, cudaMemcpyDeviceToHost);
+    std::vector<char> in_view((size_t)x.elems, 0);
+    for (int64_t b = 0; b < t.b; b++)
+        for (int64_t s = 0; s < t.s; s++)
+            for (int64_t h = 0; h < t.h; h++)
+                memset(&in_view[(size_t)at(t, b, s, h)], 1, (size_t)t.d);
+    int64_t n = 0;
+    for (size_t i = 0; i < host.size(); i++) n += !in_view[i] && host[i] != pad_bits;
+    return n;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -250,6 +280,13 @@ static run_out run_attn(const fcase &c, const std::vector<int> &cu_q, const std:
         r.ok = st.code == ULY_OK;
     }
     CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
+    const dev_tensor *all[8] = {&q_, &k_, &v_, &do_, &o_, &dq_, &dk_, &dv_};
+    const char *names[8] = {"q", "k", "v", "dout", "o", "dq", "dk", "dv"};
+    for (int i = 0; i < 8; i++) {
+        const int64_t n = padding_written(*all[i]);
+        CHECK(n == 0, "%s: %lld elements outside the view of %s were written", describe(c).c_str(),
+              (long long)n, names[i]);
+    }
     r.o = download(o_), r.dq = download(dq_), r.dk = download(dk_), r.dv = download(dv_);
     r.lse.resize((size_t)nlse);
     cudaMemcpy(r.lse.data(), a.lse, (size_t)nlse * 4, cudaMemcpyDeviceToHost);
@@ -296,15 +333,6 @@ template <typename G, typename W> static double max_err(const G &got, const W &w
     return m;
 }
 
-static std::string describe(const fcase &c) {
-    char s[200];
-    snprintf(s, sizeof s, "%s D=%lld B=%lld Sq=%lld Sk=%lld H=%lld Hkv=%lld%s%s%s", dt_name(c.dt),
-             (long long)c.D, (long long)c.B, (long long)c.Sq, (long long)c.Sk, (long long)c.H,
-             (long long)c.Hkv, c.causal ? " causal" : "", c.strided ? " strided" : "",
-             c.deterministic ? " deterministic" : "");
-    return s;
-}
-
 static inputs make_inputs(const fcase &c, int64_t nq, int64_t nk) {
     const float m = c.magnitude ? c.magnitude : 1.f;
     inputs in;
@@ -330,6 +358,18 @@ static const struct field {
               {"dk", &run_out::dk, &outputs::dk},
               {"dv", &run_out::dv, &outputs::dv}};
 
+/* lse: within 1e-3 of ref64 plus a few fp32 ulps of its magnitude; +inf exactly where ref64 has
+   it. */
+static void check_lse(const fcase &c, const run_out &got, const outputs &r64) {
+    int bad = 0;
+    for (size_t i = 0; i < r64.lse.size(); i++) {
+        const double g = got.lse[i], w = r64.lse[i];
+        bad += std::isinf(w) ? g != w : !(fabs(g - w) <= 1e-3 + 1e-6 * fabs(w));
+    }
+    CHECK(bad == 0, "%s: %d lse values off (max error %.3g)", describe(c).c_str(), bad,
+          max_err(got.lse, r64.lse));
+}
+
 /* The accuracy rule for every output, against ref64 (and cpu, when given), and lse. */
 static void check_outputs(const fcase &c, const run_out &got, const outputs &r64,
                           const outputs &low, const outputs *cpu) {
@@ -346,13 +386,7 @@ static void check_outputs(const fcase &c, const run_out &got, const outputs &r64
         printf("     %s: o %.3g dq %.3g dk %.3g dv %.3g (plain o %.3g dq %.3g)\n", describe(c).c_str(),
                max_err(got.o, r64.o), max_err(got.dq, r64.dq), max_err(got.dk, r64.dk),
                max_err(got.dv, r64.dv), max_err(low.o, r64.o), max_err(low.dq, r64.dq));
-    int bad = 0; /* lse: within 1e-3 plus a few fp32 ulps of its magnitude; +inf exactly */
-    for (size_t i = 0; i < r64.lse.size(); i++) {
-        const double g = got.lse[i], w = r64.lse[i];
-        bad += std::isinf(w) ? g != w : !(fabs(g - w) <= 1e-3 + 1e-6 * fabs(w));
-    }
-    CHECK(bad == 0, "%s: %d lse values off (max error %.3g)", describe(c).c_str(), bad,
-          max_err(got.lse, r64.lse));
+    check_lse(c, got, r64);
 }
 
 /* One dense case against ref64, lowp and cpu; returns the kernel's outputs. */
@@ -368,14 +402,15 @@ static inline run_out check_case(const fcase &c) {
 }
 
 /* ---------------------------------------------------------------------------------------------
-   The shape matrix: lengths 1, 17, 64, 127, 128, 129 (1000 in a few tests); Sq == Sk and not; GQA groups 1, 2
-   and 8; B > 1; causal and not. */
+   The shape matrix: lengths 1, 17, 64, 65, 127, 128, 129, 130 (1000 in a few tests); Sq == Sk,
+   Sq < Sk and Sq > Sk, each causal and not; GQA groups 1, 2 and 8; B > 1. */
 static const struct shape {
     int64_t B, Sq, Sk, H, Hkv;
     int causal;
 } shapes[] = {
     {1, 1, 1, 1, 1, 1},      {2, 17, 17, 2, 1, 0}, {1, 64, 64, 2, 2, 1},  {1, 127, 129, 8, 1, 1},
     {2, 128, 128, 2, 1, 0}, {1, 129, 64, 2, 2, 1}, {1, 17, 129, 1, 1, 0}, {1, 129, 129, 2, 1, 1},
+    {1, 130, 65, 4, 2, 0},
 };
 
 static inline fcase make_case(const shape &s, int64_t D, uly_dtype dt) {

@@ -12,24 +12,67 @@
    key is kept.
    Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu).
    ULY_TEST_FILTER selects tests by name, e.g. ULY_TEST_FILTER=d128; ULY_FLASH_VERBOSE=1 prints
-   every case's errors. The harness and the references are in flash_case.h. */
+   every case's errors. Under the emulator main() asks for twice as many threads as the machine
+   has, at least 4 (ULY_EMU_THREADS, when set, wins). The harness and the references are in flash_case.h. */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
 #include "check.h"
 #include "flash_case.h"
 
+#include <thread>
+
 /* ---------------------------------------------------------------------------------------------
    Tests */
 
-static void matrix(uly_dtype dt, int64_t D) {
-    for (const shape &s : shapes) check_case(make_case(s, D, dt));
+static void matrix(uly_dtype dt, int64_t D, int deterministic) {
+    for (const shape &s : shapes) {
+        fcase c = make_case(s, D, dt);
+        c.deterministic = deterministic;
+        check_case(c);
+    }
 }
 
-TEST(matrix_bf16_d64) { matrix(ULY_BF16, 64); }
-TEST(matrix_bf16_d128) { matrix(ULY_BF16, 128); }
-TEST(matrix_f16_d64) { matrix(ULY_F16, 64); }
-TEST(matrix_f16_d128) { matrix(ULY_F16, 128); }
+/* Query rows that keep no key must give o and dq exactly 0 and lse = +inf; returns how many of
+   those values differ. rows index a batch of one (dense, or packed documents) of nrows rows in
+   all, so lse is [H, nrows]. */
+static int masked_rows_wrong(const fcase &c, const run_out &r, int64_t nrows,
+                             const std::vector<int64_t> &rows) {
+    int bad = 0;
+    for (int64_t h = 0; h < c.H; h++)
+        for (int64_t i : rows) {
+            const float l = r.lse[(size_t)(h * nrows + i)];
+            bad += !(std::isinf(l) && l > 0);
+            for (int64_t d = 0; d < c.D; d++)
+                bad += r.o[(size_t)((i * c.H + h) * c.D + d)] != 0 ||
+                       r.dq[(size_t)((i * c.H + h) * c.D + d)] != 0;
+        }
+    return bad;
+}
+
+static int nonfinite_outputs(const run_out &r) {
+    int bad = 0;
+    for (const field &f : fields)
+        for (float x : r.*f.got) bad += !std::isfinite(x);
+    return bad;
+}
+
+static std::vector<int64_t> row_range(int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    for (int64_t i = begin; i < end; i++) rows.push_back(i);
+    return rows;
+}
+
+TEST(matrix_bf16_d64) { matrix(ULY_BF16, 64, 0); }
+TEST(matrix_bf16_d128) { matrix(ULY_BF16, 128, 0); }
+TEST(matrix_f16_d64) { matrix(ULY_F16, 64, 0); }
+TEST(matrix_f16_d128) { matrix(ULY_F16, 128, 0); }
+
+/* Deterministic mode computes dQ with its own kernel (uly__flash_bwd_q) instead of atomics: the
+   same matrix, causal and not. The other two dtype and head dim pairs are in
+   deterministic_is_bitwise_stable and varlen_documents. */
+TEST(matrix_deterministic_bf16_d128) { matrix(ULY_BF16, 128, 1); }
+TEST(matrix_deterministic_f16_d64) { matrix(ULY_F16, 64, 1); }
 
 /* Length 1000 (8 query blocks, a tail of 104) for a few configurations. */
 TEST(long_1000_bf16_d128_causal) { check_case(make_case({1, 1000, 1000, 1, 1, 1}, 128, ULY_BF16)); }
@@ -38,7 +81,8 @@ TEST(long_1000_bf16_d64_causal_sq_lt_sk) {
     check_case(make_case({1, 300, 1000, 1, 1, 1}, 64, ULY_BF16));
 }
 
-/* Padded heads, rows and batches: every stride differs from the dense one. */
+/* Padded heads, rows and batches: every stride differs from the dense one. The padding holds NaN
+   going in, and run_attn checks that no kernel wrote it. */
 TEST(strided_inputs) {
     for (int64_t D : {64, 128})
         for (uly_dtype dt : {ULY_BF16, ULY_F16}) {
@@ -65,52 +109,108 @@ TEST(fully_masked_rows_are_zero_with_inf_lse) {
         c.deterministic = deterministic;
         const run_out r = check_case(c);
         if (!r.ok) continue;
-        int bad = 0;
-        for (int64_t h = 0; h < c.H; h++)
-            for (int64_t i = 0; i < c.Sq - c.Sk; i++) {
-                bad += !(std::isinf(r.lse[h * c.Sq + i]) && r.lse[h * c.Sq + i] > 0);
-                for (int64_t d = 0; d < c.D; d++)
-                    bad += r.o[(i * c.H + h) * c.D + d] != 0 || r.dq[(i * c.H + h) * c.D + d] != 0;
-            }
-        CHECK(bad == 0, "%d values of fully masked rows are not 0 (lse +inf)", bad);
-        for (const field &f : fields)
-            for (float x : r.*f.got) bad += std::isnan(x) || std::isinf(x);
-        CHECK(bad == 0, "%d outputs are NaN or inf", bad);
+        const int bad = masked_rows_wrong(c, r, c.Sq, row_range(0, c.Sq - c.Sk));
+        CHECK(bad == 0, "deterministic=%d: %d values of fully masked rows are not 0 (lse +inf)",
+              deterministic, bad);
+        CHECK(nonfinite_outputs(r) == 0, "deterministic=%d: %d outputs are NaN or inf",
+              deterministic, nonfinite_outputs(r));
     }
 }
 
-/* Logits of magnitude ~1e4 (q, k uniform in [-170, 170), D = 64): exp never overflows. */
+/* Logits of magnitude ~1e4 (q, k uniform in [-170, 170), D = 64): exp never overflows. The
+   accuracy rule is no use here: plain bf16 or fp16 rounds such logits by several units, so its
+   error, and with it the bound, is as often large as not. Instead a bound from the kernels' own
+   rounding: the two largest logits of a row are typically hundreds apart, so P is one-hot and o
+   is exactly a row of V. Near a tie, the logits' fp32 error (~1e-3: sums of products up to 3e4)
+   moves P by about as much, and so o, dV and dS, which dQ and dK multiply by |k| / sqrt(D) and
+   |q| / sqrt(D), ~21. So o and dV must be within 2e-2 of ref64 (times their largest magnitude
+   where above 1: dV sums rows of dO), dQ and dK within 4e-2 * 170 / sqrt(D); 240 random draws
+   stayed within a quarter of that. A wrong maximum, an overflow or a row mixed with the wrong
+   keys is off by O(1) of those units. */
 TEST(large_logits_do_not_overflow) {
-    for (int causal : {0, 1}) {
-        fcase c = make_case({1, 70, 70, 1, 1, causal}, 64, ULY_BF16);
-        c.magnitude = 170;
-        const run_out r = check_case(c);
-        int bad = 0;
-        for (const field &f : fields)
-            for (float x : r.*f.got) bad += !std::isfinite(x);
-        CHECK(bad == 0, "%d outputs are not finite", bad);
-    }
+    for (uly_dtype dt : {ULY_BF16, ULY_F16})
+        for (int causal : {0, 1}) {
+            fcase c = make_case({1, 70, 70, 1, 1, causal}, 64, dt);
+            c.magnitude = 170;
+            const inputs in = make_inputs(c, c.Sq, c.Sk);
+            const std::vector<int> cq = dense_cu(1, c.Sq), ck = dense_cu(1, c.Sk);
+            const run_out r = run_attn(c, cq, ck, false, in, uly_flash_attention());
+            if (!r.ok) continue;
+            const outputs r64 = reference(c, cq, ck, false, in, false);
+            check_lse(c, r, r64);
+            CHECK(nonfinite_outputs(r) == 0, "%s: %d outputs are not finite", describe(c).c_str(),
+                  nonfinite_outputs(r));
+            for (const field &f : fields) {
+                const dvec &want = r64.*f.want;
+                const bool through_ds = f.want == &outputs::dq || f.want == &outputs::dk;
+                const double bound =
+                    through_ds ? 4e-2 * c.magnitude / sqrt((double)c.D)
+                               : 2e-2 * std::max(1.0, max_err(dvec(want.size(), 0.0), want));
+                const double err = max_err(r.*f.got, want);
+                CHECK(err <= bound, "%s: %s max error %.3g > %.3g", describe(c).c_str(), f.name,
+                      err, bound);
+            }
+        }
 }
 
-/* Deterministic mode: three runs (each launch gets its own emulator schedule, and blocks run
-   on several threads) give bitwise-identical gradients; GQA so dK/dV sum over a group. */
+/* Deterministic mode: three runs give bitwise-identical outputs, where an atomic dQ would not.
+   Sk = 520 is five key blocks of the backward kernel (BN = 128), each adding its part of every
+   query row's dQ. main() gives the emulator more threads than the machine has cores, so blocks of
+   the same rows run at once and are preempted at unpredictable points: an atomic accumulator
+   takes the parts in a different order from run to run (from zero, the first two adds commute;
+   the later ones do not). The keys share an offset of 64: that moves every logit of a row by the
+   same amount, so the softmax does not change, but it adds 64 times a key block's sum of dS to
+   that block's part of dQ, and those sums cancel over the row; so a change of order changes the
+   rounded dq, not only fp32 bits that rounding to the dtype hides.
+   The control reruns the atomic dQ on the same inputs: it must change at least once, or this
+   test could not see a change of order. It is checked only with more emulator threads than
+   hardware threads: with one thread per core the blocks can keep one order for many runs
+   (ULY_EMU_THREADS=2 on 2 cores: the causal case mostly does, both cases did in 1 of 10). */
+static run_out run_dense(const fcase &c, const inputs &in) {
+    return run_attn(c, dense_cu(c.B, c.Sq), dense_cu(c.B, c.Sk), false, in, uly_flash_attention());
+}
+
+static bool same_bits(const fvec &a, const fvec &b) {
+    return a.size() == b.size() && memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
 TEST(deterministic_is_bitwise_stable) {
-    for (int64_t D : {64, 128}) {
-        fcase c = make_case({2, 129, 130, 4, 1, 1}, D, ULY_BF16);
+    const struct {
+        shape s;
+        int64_t D;
+        uly_dtype dt;
+    } runs[] = {{{1, 130, 520, 4, 2, 1}, 64, ULY_BF16}, {{1, 64, 520, 4, 2, 0}, 128, ULY_F16}};
+    bool atomic_changed = false;
+    for (const auto &x : runs) {
+        fcase c = make_case(x.s, x.D, x.dt);
         c.deterministic = 1;
-        const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+        inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+        for (float &k : in.k) k = round_to(c.dt, k + 64);
         const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
-        const run_out first = run_attn(c, cq, ck, false, in, uly_flash_attention());
+        const run_out first = run_dense(c, in);
+        if (!first.ok) continue;
         check_outputs(c, first, reference(c, cq, ck, false, in, false),
                       reference(c, cq, ck, false, in, true), NULL);
         for (int run = 1; run < 3; run++) {
-            const run_out again = run_attn(c, cq, ck, false, in, uly_flash_attention());
+            const run_out again = run_dense(c, in);
             for (const field &f : fields)
-                CHECK(memcmp((again.*f.got).data(), (first.*f.got).data(),
-                             (first.*f.got).size() * 4) == 0,
-                      "D=%lld run %d: %s differs bitwise from run 0", (long long)D, run, f.name);
+                CHECK(same_bits(again.*f.got, first.*f.got),
+                      "%s run %d: %s differs bitwise from run 0", describe(c).c_str(), run, f.name);
+            CHECK(same_bits(again.lse, first.lse), "%s run %d: lse differs bitwise from run 0",
+                  describe(c).c_str(), run);
         }
+        if (atomic_changed) continue;
+        c.deterministic = 0;
+        const run_out atomic0 = run_dense(c, in);
+        for (int run = 1; run < 5 && !atomic_changed; run++)
+            atomic_changed = !same_bits(run_dense(c, in).dq, atomic0.dq);
     }
+#ifdef ULY_EMU
+    const char *threads = getenv("ULY_EMU_THREADS");
+    CHECK(atomic_changed || !threads || atoi(threads) <= (int)std::thread::hardware_concurrency(),
+          "the atomic dQ gave the same bits in every rerun: this test cannot see a change of "
+          "summation order");
+#endif
 }
 
 #ifdef ULY_EMU
@@ -130,19 +230,42 @@ TEST(ldmatrix_reads_have_no_bank_conflicts) {
 }
 #endif
 
-/* Packed documents: lengths 1 and several tiles, Sq != Sk per document, causal within each. */
+/* Packed documents: lengths 1 and several tiles, Sq != Sk per document, causal within each, a
+   document of keys only (0, 23: its dK and dV are 0), one with more queries than keys (150, 20:
+   under a causal mask its first 130 rows keep no key) and one with no keys at all (18, 0). Rows
+   that keep no key are 0 with lse = +inf, as in a dense batch. Each dtype, head dim, mask, dQ
+   mode and layout (dense, padded) is in two of the four configurations. */
 TEST(varlen_documents) {
-    const std::vector<int> cq = {0, 1, 131, 195, 212, 212}, ck = {0, 1, 131, 260, 277, 300};
-    for (int64_t D : {64, 128})
-        for (int causal : {0, 1}) {
-            fcase c = make_case({1, cq.back(), ck.back(), 4, 2, causal}, D, ULY_BF16);
-            c.strided = causal;
-            const inputs in = make_inputs(c, cq.back(), ck.back());
-            const run_out got = run_attn(c, cq, ck, true, in, uly_flash_attention());
-            if (got.ok)
-                check_outputs(c, got, reference(c, cq, ck, true, in, false),
-                              reference(c, cq, ck, true, in, true), NULL);
-        }
+    const std::vector<int> cq = {0, 1, 131, 195, 212, 212, 362, 380};
+    const std::vector<int> ck = {0, 1, 131, 260, 277, 300, 320, 320};
+    const struct {
+        int64_t D;
+        uly_dtype dt;
+        int causal, deterministic, strided;
+    } runs[] = {{64, ULY_BF16, 0, 0, 0}, {64, ULY_F16, 1, 1, 1}, {128, ULY_BF16, 1, 0, 1},
+                {128, ULY_F16, 0, 1, 0}};
+    for (const auto &x : runs) {
+        fcase c = make_case({1, cq.back(), ck.back(), 4, 2, x.causal}, x.D, x.dt);
+        c.deterministic = x.deterministic, c.strided = x.strided;
+        const inputs in = make_inputs(c, cq.back(), ck.back());
+        const run_out got = run_attn(c, cq, ck, true, in, uly_flash_attention());
+        if (!got.ok) continue;
+        check_outputs(c, got, reference(c, cq, ck, true, in, false),
+                      reference(c, cq, ck, true, in, true), NULL);
+        std::vector<int64_t> masked = row_range(cq[6], cq[7]); /* no keys */
+        if (x.causal)
+            for (int64_t i : row_range(cq[5], cq[6] - (ck[6] - ck[5]))) masked.push_back(i);
+        const int bad = masked_rows_wrong(c, got, cq.back(), masked);
+        CHECK(bad == 0, "%s: %d values of rows that keep no key are not 0 (lse +inf)",
+              describe(c).c_str(), bad);
+        int unseen = 0; /* keys of the keys-only document: no query sees them */
+        for (int64_t e = ck[4] * c.Hkv * c.D; e < ck[5] * c.Hkv * c.D; e++)
+            unseen += got.dk[(size_t)e] != 0 || got.dv[(size_t)e] != 0;
+        CHECK(unseen == 0, "%s: %d dK, dV values of keys no query sees are not 0",
+              describe(c).c_str(), unseen);
+        CHECK(nonfinite_outputs(got) == 0, "%s: %d outputs are NaN or inf", describe(c).c_str(),
+              nonfinite_outputs(got));
+    }
 }
 
 /* What the kernels do not take is a named error, not a wrong answer. */
@@ -164,4 +287,14 @@ TEST(rejects_what_the_kernels_do_not_take) {
     CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "16-byte"), "misaligned: %s", st.msg);
 }
 
-int main(void) { return uly_run_tests(); }
+int main(void) {
+#ifdef ULY_EMU
+    /* Twice as many emulator threads as hardware threads (at least 4), unless the caller chose;
+       the first launch reads it. deterministic_is_bitwise_stable needs blocks that share output
+       rows to run at once and be preempted (the emulator takes at most 64). */
+    char threads[16];
+    snprintf(threads, sizeof threads, "%u", std::max(4u, 2 * std::thread::hardware_concurrency()));
+    setenv("ULY_EMU_THREADS", threads, 0);
+#endif
+    return uly_run_tests();
+}
