@@ -1878,20 +1878,24 @@ template <typename F> static uly_status uly__fa_dispatch(uly_dtype t, int64_t d,
 static int uly__fa_cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
 /* Launches kernel on grid (nothing for an empty grid) with the dynamic shared memory it asks. */
+/* Up to 48 KB of dynamic shared memory needs no opt-in; above, the kernel asks for it, once the
+   device is known to have it. */
 template <typename... P>
 static uly_status uly__fa_launch(void (*kernel)(P...), const char *name, dim3 grid, int threads,
                                  size_t smem, cudaStream_t stream, const uly__fa_params &p) {
-    int device = 0, most = 0;
     if (!grid.x || !grid.y || !grid.z) return uly__ok();
-    ULY__TRY(uly__cuda(cudaGetDevice(&device), name));
-    ULY__TRY(uly__cuda(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                              device), name));
-    ULY__CHECK(smem <= (size_t)most, ULY_EUNSUPPORTED, "%s needs %zu bytes of shared memory per "
-               "block and this GPU has %d (A100 and H100 have 163 KB and 227 KB; elsewhere "
-               "uly_cublaslt_attention covers this head dim)", name, smem, most);
-    ULY__TRY(uly__cuda(cudaFuncSetAttribute((const void *)kernel,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
-                       name));
+    if (smem > 48 * 1024) {
+        int device = 0, most = 0;
+        ULY__TRY(uly__cuda(cudaGetDevice(&device), name));
+        ULY__TRY(uly__cuda(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                  device), name));
+        ULY__CHECK(smem <= (size_t)most, ULY_EUNSUPPORTED, "%s needs %zu bytes of shared memory "
+                   "per block and this GPU has %d (A100 and H100 have 163 KB and 227 KB; "
+                   "elsewhere uly_cublaslt_attention covers this head dim)", name, smem, most);
+        ULY__TRY(uly__cuda(cudaFuncSetAttribute((const void *)kernel,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                (int)smem), name));
+    }
     ULY_LAUNCH(kernel, grid, dim3(threads), smem, stream, p);
     return uly__cuda(cudaGetLastError(), name);
 }
