@@ -363,6 +363,33 @@ ifneq ($(HAVE_TORCH),1)
 TESTS     += 'skip:bench_sdpa.py smoke run (no PyTorch for $(PYTHON))'
 endif
 
+# --- races ---
+# ThreadSanitizer over the emulator's fibers: the emulator built with ULY_EMU_TSAN (itself not
+# instrumented), the tests with -fsanitize=thread, so a shared- or global-memory access that no
+# __syncthreads, __syncwarp or cp.async wait orders against another thread's is a reported race
+# whatever the schedule (tests/emu/cuda_emu.cpp says what counts as ordered). test_race proves
+# the detector on kernels with and without the barrier; then the layout kernels, the flash
+# kernels and the SP layer run under it. TSan makes the emulator ~15x slower, so test_flash and
+# test_cuda_layer run a subset that still takes every kernel and code path: both head dims,
+# causal or not, tails, GQA, Sq != Sk, deterministic dQ, masked rows, the device-local exchange.
+TSAN          = -fsanitize=thread -fno-omit-frame-pointer
+EMU_TSAN_OBJ  = $(BUILD)/tsan/emu/cuda_emu.o
+TSAN_TESTS    = test_race test_cuda_layout test_cuda_layer test_flash
+TSAN_FLASH    = matrix_bf16,matrix_deterministic_f16_d64,masked,large_logits
+TSAN_LAYER    = reference,layer_f32,flash_layer_deterministic_bf16,device_local,rejects
+
+$(EMU_TSAN_OBJ): tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 -DULY_EMU_TSAN -c $< -o $@
+$(TSAN_TESTS:%=$(BUILD)/tsan/%): $(BUILD)/tsan/%: tests/%.cu $(CUDA_HDRS) $(EMU_TSAN_OBJ)
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(TSAN) -x c++ $< -x none $(EMU_TSAN_OBJ) -o $@ $(LDLIBS)
+
+TEST_BINS += $(TSAN_TESTS:%=$(BUILD)/tsan/%)
+TESTS     += $(BUILD)/tsan/test_race $(BUILD)/tsan/test_cuda_layout
+TESTS     += 'ULY_TEST_FILTER=$(TSAN_LAYER) $(BUILD)/tsan/test_cuda_layer'
+TESTS     += 'ULY_TEST_FILTER=$(TSAN_FLASH) $(BUILD)/tsan/test_flash'
+
 # --- top-level targets ---
 # The test binaries build in parallel, one job per core; then the tests run one at a time.
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)

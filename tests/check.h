@@ -58,12 +58,25 @@ static void uly_register_test(const char *name, uly_test_fn fn) {
     CHECK(fabs((double)(got) - (double)(want)) <= (tol), "%s: got %.9g want %.9g (tol %g)", \
           (what), (double)(got), (double)(want), (double)(tol))
 
-/* Runs every test, or only those whose name contains argv-style filter ULY_TEST_FILTER. */
+/* Whether name contains one of the comma-separated words of filter. */
+static int uly_test_selected(const char *name, const char *filter) {
+    for (const char *w = filter;;) {
+        const char *end = strchr(w, ',');
+        const size_t n = end ? (size_t)(end - w) : strlen(w);
+        for (const char *p = name; strlen(p) >= n; p++)
+            if (strncmp(p, w, n) == 0) return 1;
+        if (!end) return 0;
+        w = end + 1;
+    }
+}
+
+/* Runs every test, or those ULY_TEST_FILTER selects (ULY_TEST_FILTER=d128,masked: the tests
+   whose name contains d128 or masked). */
 static int uly_run_tests(void) {
     const char *filter = getenv("ULY_TEST_FILTER");
     int passed = 0, failed = 0;
     for (int i = 0; i < uly_ntests; i++) {
-        if (filter && !strstr(uly_tests[i].name, filter)) continue;
+        if (filter && !uly_test_selected(uly_tests[i].name, filter)) continue;
         uly_current_test = uly_tests[i].name;
         uly_test_failed = 0;
         uly_tests[i].fn();

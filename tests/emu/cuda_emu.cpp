@@ -36,6 +36,13 @@
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
+// ULY_EMU_TSAN: this file is built without -fsanitize=thread (its bookkeeping is shared by the
+// fibers of a block by design) and linked into a program whose kernels are built with it.
+#ifdef ULY_EMU_TSAN
+#include <sanitizer/tsan_interface.h>
+extern "C" void __tsan_read_range(void *addr, unsigned long size);
+extern "C" void __tsan_write_range(void *addr, unsigned long size);
+#endif
 
 namespace {
 
@@ -147,6 +154,7 @@ struct Copy {  // one pending cp.async
 
 struct Fiber {
     Context ctx;
+    void *tsan;         // the fiber's ThreadSanitizer context (ULY_EMU_TSAN)
     char *stack;        // usable stack, above a guard page
     bool dirty;         // abandoned mid-kernel by a failed block: reset ASan's shadow on reuse
     void *fake_stack;   // ASan's fake stack while switched out
@@ -175,6 +183,7 @@ struct Worker {
     std::vector<Fiber> fibers;
     size_t stack_size = 0;
     Context sched;  // the OS thread's own stack, where blocks start and end
+    void *sched_tsan = nullptr;
     void *sched_fake = nullptr;
     const void *sched_bottom = nullptr;
     size_t sched_size = 0;
@@ -185,7 +194,7 @@ struct Worker {
     Grid *grid = nullptr;
     Fiber *cur = nullptr;
     size_t smem_size = 0;
-    unsigned n = 0, live = 0, exited = 0, at_bar = 0;
+    unsigned n = 0, live = 0, exited = 0, at_bar = 0, bar_gen = 0;
     const char *bar_file = nullptr;
     int bar_line = 0;
     std::vector<unsigned> ready;  // ring of runnable fibers
@@ -193,6 +202,12 @@ struct Worker {
     Warp warps[32];
     unsigned long long rng = 0;
     bool failed = false;
+    // What CUDA orders, as ThreadSanitizer synchronization objects (their addresses): a block's
+    // start after the launch, its threads' ends, the two most recent __syncthreads (a thread
+    // cannot leave barrier g + 2 before every thread has left g), each warp's __syncwarp.
+    struct {
+        char start, end, bar[2], warp[32];
+    } sync;
 };
 
 struct Grid {
@@ -298,6 +313,95 @@ void asan_unpoison(const void *p, size_t size) {
 void asan_poison(const void *p, size_t size) {
 #ifdef ULY__ASAN
     __asan_poison_memory_region(p, size);
+#else
+    (void)p, (void)size;
+#endif
+}
+
+// =============================================================================================
+// ThreadSanitizer annotations (ULY_EMU_TSAN). Every CUDA thread is a TSan fiber and a switch
+// between fibers orders nothing, so the only orderings TSan sees are the ones CUDA guarantees
+// (Worker::sync): a shared- or global-memory access that no barrier orders against another
+// thread's conflicting access is reported as a data race, whatever order the schedule ran them
+// in. Reads and writes the emulator makes for a thread (ldmatrix, cp.async) are declared as that
+// thread's: an ldmatrix row is read by the lane that names it, when it reaches the instruction.
+// Lanes of a warp are ordered only by __syncwarp (mma, ldmatrix and shuffles order no memory).
+// Blocks that run one after another on the same OS thread count as ordered (they reuse its
+// shared-memory arena), so a race between two blocks shows only when they run on two threads.
+
+// A fiber for the block's thread `id`, named as reports should name it.
+void *tsan_fiber(unsigned id) {
+#ifdef ULY_EMU_TSAN
+    void *f = __tsan_create_fiber(0);
+    char name[64];
+    snprintf(name, sizeof name, "CUDA thread %u (warp %u lane %u)", id, id / 32, id % 32);
+    __tsan_set_fiber_name(f, name);
+    return f;
+#else
+    (void)id;
+    return nullptr;
+#endif
+}
+
+void tsan_free(void *fiber) {
+#ifdef ULY_EMU_TSAN
+    __tsan_destroy_fiber(fiber);
+#else
+    (void)fiber;
+#endif
+}
+
+void *tsan_current() {
+#ifdef ULY_EMU_TSAN
+    return __tsan_get_current_fiber();
+#else
+    return nullptr;
+#endif
+}
+
+void tsan_switch(void *fiber) {
+#ifdef ULY_EMU_TSAN
+    __tsan_switch_to_fiber(fiber, __tsan_switch_to_fiber_no_sync);
+#else
+    (void)fiber;
+#endif
+}
+
+void tsan_release(char *sync) {
+#ifdef ULY_EMU_TSAN
+    __tsan_release(sync);
+#else
+    (void)sync;
+#endif
+}
+
+// Releases `sync` as `fiber` from the scheduler's stack: for the threads a failed block
+// abandoned, so that what they did comes before the next block on the same arena.
+void tsan_release_as(void *fiber, void *self, char *sync) {
+    tsan_switch(fiber);
+    tsan_release(sync);
+    tsan_switch(self);
+}
+
+void tsan_acquire(char *sync) {
+#ifdef ULY_EMU_TSAN
+    __tsan_acquire(sync);
+#else
+    (void)sync;
+#endif
+}
+
+void tsan_read(const void *p, size_t size) {
+#ifdef ULY_EMU_TSAN
+    __tsan_read_range(const_cast<void *>(p), size);
+#else
+    (void)p, (void)size;
+#endif
+}
+
+void tsan_write(void *p, size_t size) {
+#ifdef ULY_EMU_TSAN
+    __tsan_write_range(p, size);
 #else
     (void)p, (void)size;
 #endif
@@ -480,6 +584,7 @@ void switch_to(Worker &w, Fiber *from, Fiber *to, bool from_dies) {
     w.switches++;
     void **fake = from_dies ? nullptr : from ? &from->fake_stack : &w.sched_fake;
     asan_start(fake, stack_bottom(w, to), stack_size(w, to));
+    tsan_switch(to ? to->tsan : w.sched_tsan);
     ctx_switch(from ? &from->ctx : &w.sched, to ? &to->ctx : &w.sched);
     asan_finish(from ? from->fake_stack : w.sched_fake);
 }
@@ -526,7 +631,9 @@ void fiber_main() {
     Worker &w = *tw;
     asan_finish(nullptr);
     Fiber *self = w.cur;
+    tsan_acquire(&w.sync.start);
     w.grid->g.run(w.grid->g.ctx);
+    tsan_release(&w.sync.end);
     thread_exits(w, self);
     switch_to(w, self, pop_ready(w), true);
     abort();  // an exited fiber is never resumed
@@ -541,6 +648,7 @@ bool same_site(const char *f1, int l1, const char *f2, int l2) {
 
 void release_barrier(Worker &w) {
     w.at_bar = 0;
+    w.bar_gen++;
     unsigned k = 0;
     for (unsigned i = 0; i < w.n; i++)
         if (w.fibers[i].state == State::barrier) w.ready[k++] = i;
@@ -813,7 +921,10 @@ Worker::Worker() {
 }
 
 Worker::~Worker() {
-    for (Fiber &f : fibers) munmap(f.stack - page_size(), stack_size + page_size());
+    for (Fiber &f : fibers) {
+        munmap(f.stack - page_size(), stack_size + page_size());
+        tsan_free(f.tsan);
+    }
     asan_unpoison(smem, kSmemPerBlock);
     munmap(smem, kSmemPerBlock);
 }
@@ -900,6 +1011,7 @@ void ensure_fibers(Worker &w, unsigned n) {
         f.stack = map_stack(w.stack_size);
         f.dirty = false;
         f.fake_stack = nullptr;
+        f.tsan = tsan_fiber((unsigned)w.fibers.size() - 1);
     }
     w.ready.resize(std::max<size_t>(w.ready.size(), n));
 }
@@ -952,12 +1064,19 @@ void init_block(Worker &w, Grid &grid, unsigned block) {
 
 void run_block(Worker &w, Grid &grid, unsigned block) {
     init_block(w, grid, block);
+    w.sched_tsan = tsan_current();
+    tsan_release(&w.sync.start);
     switch_to(w, nullptr, pop_ready(w), false);
     // Back on the scheduler: every fiber has exited, or none can go on, or the block failed.
     if (!w.failed && w.live)
         fail(w, cudaErrorLaunchFailure, true, "deadlock: no thread can continue");
     if (w.failed)
-        for (unsigned i = 0; i < w.n; i++) w.fibers[i].dirty = w.fibers[i].state != State::exited;
+        for (unsigned i = 0; i < w.n; i++) {
+            Fiber &f = w.fibers[i];
+            f.dirty = f.state != State::exited;
+            if (f.dirty) tsan_release_as(f.tsan, w.sched_tsan, &w.sync.end);
+        }
+    tsan_acquire(&w.sync.end);  // all the block did comes before the next block
     total_switches += w.switches;
     w.switches = 0;
     w.grid = nullptr;
@@ -1116,8 +1235,11 @@ void uly_emu_syncthreads(const char *file, int line) {
         w.bar_line = line;
     }
     self->state = State::barrier;
+    char *sync = &w.sync.bar[w.bar_gen & 1];
+    tsan_release(sync);
     if (++w.at_bar == w.live) release_barrier(w);
     wait(w, self);
+    tsan_acquire(sync);
 }
 
 unsigned long long uly_emu_warp(int op, unsigned mask, unsigned long long value, int b, int c,
@@ -1129,7 +1251,10 @@ unsigned long long uly_emu_warp(int op, unsigned mask, unsigned long long value,
     o.c = c;
     o.file = file;
     o.line = line;
+    char *sync = &tw->sync.warp[self->warp];
+    if (op == ULY_EMU_SYNCWARP) tsan_release(sync);
     meet(*tw, self);
+    if (op == ULY_EMU_SYNCWARP) tsan_acquire(sync);
     return self->op.result;
 }
 
@@ -1185,6 +1310,8 @@ void uly_emu_ldmatrix(int n, bool trans, uint32_t *r, uint32_t smem_addr) {
     o.b = n;
     o.c = trans;
     o.out = r;
+    if (self->lane < 8u * n && (size_t)smem_addr + 16 <= w.smem_size)  // else the warp fails
+        tsan_read(w.smem + smem_addr, 16);
     meet(w, self);
 }
 
@@ -1207,6 +1334,7 @@ void uly_emu_cp_async(uint32_t smem_addr, const void *src, int bytes, int src_by
              "cp.async: %s writes shared 0x%x..0x%x, past the %zu bytes of dynamic shared memory",
              who(*self).c_str(), smem_addr, smem_addr + bytes, w.smem_size);
     memset(w.smem + smem_addr, 0xff, bytes);
+    tsan_write(w.smem + smem_addr, bytes);
     self->copies.push_back(Copy{smem_addr, src, bytes, src_bytes});
 }
 
@@ -1231,6 +1359,8 @@ void uly_emu_cp_async_wait(int n) {
             const Copy &c = self->copies[self->copies_done + order[i]];
             memcpy(w.smem + c.dst, c.src, c.src_bytes);
             memset(w.smem + c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+            tsan_read(c.src, c.src_bytes);
+            tsan_write(w.smem + c.dst, c.bytes);
         }
         self->copies_done += k;
     }
