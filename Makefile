@@ -364,20 +364,25 @@ TESTS     += 'skip:bench_sdpa.py smoke run (no PyTorch for $(PYTHON))'
 endif
 
 # --- races ---
-# ThreadSanitizer over the emulator's fibers: the emulator built with ULY_EMU_TSAN (itself not
-# instrumented), the tests with -fsanitize=thread, so a shared- or global-memory access that no
-# __syncthreads, __syncwarp or cp.async wait orders against another thread's is a reported race
-# whatever the schedule (tests/emu/cuda_emu.cpp says what counts as ordered). test_race proves
-# the detector on kernels with and without the barrier; then the layout kernels, the flash
-# kernels and the SP layer run under it. TSan makes the emulator ~15x slower, so test_flash and
-# test_cuda_layer run a subset that still takes every kernel and code path: both head dims,
-# causal or not, tails, GQA, Sq != Sk, deterministic dQ, masked rows, the device-local exchange.
+# ThreadSanitizer on everything that runs threads: the C tests of the local communicator, the
+# NCCL communicator against its double, and the kernels. For kernels, the emulator is built with
+# ULY_EMU_TSAN (itself not instrumented) and the tests with -fsanitize=thread, so a shared- or
+# global-memory access that no __syncthreads, __syncwarp or cp.async wait orders against another
+# thread's is a reported race whatever the schedule (tests/emu/cuda_emu.cpp says what counts as
+# ordered). test_race proves the detector on kernels with and without the barrier. TSan makes
+# the emulator ~15x slower, so test_flash and test_cuda_layer run a subset that still takes every
+# kernel and code path: both head dims, causal or not, tails, GQA, Sq != Sk, deterministic dQ,
+# masked rows, the device-local exchange.
 TSAN          = -fsanitize=thread -fno-omit-frame-pointer
 EMU_TSAN_OBJ  = $(BUILD)/tsan/emu/cuda_emu.o
+TSAN_CTESTS   = test_layer test_loss test_errors
 TSAN_TESTS    = test_race test_cuda_layout test_cuda_layer test_flash
 TSAN_FLASH    = matrix_bf16,matrix_deterministic_f16_d64,masked,large_logits
 TSAN_LAYER    = reference,layer_f32,flash_layer_deterministic_bf16,device_local,rejects
 
+$(TSAN_CTESTS:%=$(BUILD)/tsan/%): $(BUILD)/tsan/%: tests/%.c $(ULY_TEST_DEPS)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS) -O1 $(TSAN) -o $@ $< $(LDLIBS)
 $(EMU_TSAN_OBJ): tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -O1 -DULY_EMU_TSAN -c $< -o $@
@@ -385,10 +390,22 @@ $(TSAN_TESTS:%=$(BUILD)/tsan/%): $(BUILD)/tsan/%: tests/%.cu $(CUDA_HDRS) $(EMU_
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -O1 $(TSAN) -x c++ $< -x none $(EMU_TSAN_OBJ) -o $@ $(LDLIBS)
 
-TEST_BINS += $(TSAN_TESTS:%=$(BUILD)/tsan/%)
+TEST_BINS += $(TSAN_CTESTS:%=$(BUILD)/tsan/%) $(TSAN_TESTS:%=$(BUILD)/tsan/%)
+TESTS     += $(TSAN_CTESTS:%=$(BUILD)/tsan/%)
 TESTS     += $(BUILD)/tsan/test_race $(BUILD)/tsan/test_cuda_layout
 TESTS     += 'ULY_TEST_FILTER=$(TSAN_LAYER) $(BUILD)/tsan/test_cuda_layer'
 TESTS     += 'ULY_TEST_FILTER=$(TSAN_FLASH) $(BUILD)/tsan/test_flash'
+ifeq ($(HAVE_NCCL),1)
+$(BUILD)/tsan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(TSAN) -c $< -o $@
+$(BUILD)/tsan/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_TSAN_OBJ) \
+                         $(BUILD)/tsan/emu/nccl_emu.o
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(TSAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+TEST_BINS += $(BUILD)/tsan/test_nccl
+TESTS     += $(BUILD)/tsan/test_nccl
+endif
 
 # --- top-level targets ---
 # The test binaries build in parallel, one job per core; then the tests run one at a time.
