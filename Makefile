@@ -3,6 +3,7 @@
 #   make test          the whole suite (STRICT=1: a missing tool fails instead of skipping)
 #   make bench         CPU benchmarks; make bench-gpu on a machine with a GPU
 #   make test-gpu      the GPU tests, when a GPU is present
+#   make sanitize-gpu  a subset of them under compute-sanitizer (memcheck, racecheck, synccheck)
 #   make install PREFIX=/usr/local
 # It detects mpicc, nvcc, PyTorch and a GPU, and says what it skips without them.
 
@@ -44,7 +45,7 @@ BENCHES   =
 BENCH_BINS =
 GPU_BENCHES =
 
-.PHONY: all demo demo-mpi test test-gpu bench bench-gpu install clean
+.PHONY: all demo demo-mpi test test-gpu sanitize-gpu bench bench-gpu install clean
 all: $(BUILD)/demo
 
 $(BUILD) $(BUILD)/asan:
@@ -407,6 +408,21 @@ TEST_BINS += $(BUILD)/tsan/test_nccl
 TESTS     += $(BUILD)/tsan/test_nccl
 endif
 
+# On a GPU the same question goes to NVIDIA's compute-sanitizer, when the toolkit has it:
+# memcheck (out-of-bounds and misaligned accesses), racecheck (shared-memory hazards as the
+# hardware ran them) and synccheck (barriers), on the kernels' subset above.
+CSAN := $(firstword $(shell command -v compute-sanitizer) $(wildcard $(CUDA_HOME)/bin/compute-sanitizer))
+ifneq ($(CSAN),)
+GPU_SAN_TESTS = $(foreach tool,memcheck racecheck synccheck, \
+    'ULY_TEST_FILTER=$(TSAN_FLASH) timeout 120 $(CSAN) --tool $(tool) --error-exitcode 1 \
+     $(BUILD)/gpu/test_flash' \
+    'ULY_TEST_FILTER=$(TSAN_LAYER) timeout 120 $(CSAN) --tool $(tool) --error-exitcode 1 \
+     $(BUILD)/gpu/test_cuda_layer')
+GPU_SAN_TESTS += 'timeout 120 $(CSAN) --tool memcheck --error-exitcode 1 $(BUILD)/gpu/test_cuda_layout'
+else
+GPU_SAN_TESTS = 'skip:compute-sanitizer (neither on PATH nor in $(CUDA_HOME)/bin)'
+endif
+
 # --- top-level targets ---
 # The test binaries build in parallel, one job per core; then the tests run one at a time.
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
@@ -419,6 +435,13 @@ ifeq ($(HAVE_GPU),1)
 	@tests/run.sh $(GPU_TESTS)
 else
 	@echo "test-gpu: no GPU here (nvidia-smi lists none); nothing run"
+endif
+
+sanitize-gpu: $(if $(HAVE_GPU),$(GPU_BINS))
+ifeq ($(HAVE_GPU),1)
+	@tests/run.sh $(GPU_SAN_TESTS)
+else
+	@echo "sanitize-gpu: no GPU here (nvidia-smi lists none); nothing run"
 endif
 
 bench: $(BENCH_BINS)

@@ -1,7 +1,8 @@
 #!/bin/sh
 # lent_gpu.sh OUT - a borrowed GPU machine's whole job in one call: make test-gpu, then
 # make bench-gpu, their logs and the benchmark files copied to OUT, Nsight Compute's view of the
-# two attention kernels that matter most, a short summary last.
+# two attention kernels that matter most, make sanitize-gpu with what time is left, a short
+# summary last.
 # Cloud images with the CUDA toolkit and PyTorch often lack Open MPI and NCCL's header, so:
 #   nvcc       the first on PATH (CUDA_HOME is its toolkit)
 #   PYTHON     python3 on PATH, or /usr/bin/python3, whichever has torch (bench_sdpa.py)
@@ -56,8 +57,16 @@ if command -v ncu >/dev/null 2>&1; then
     done
 fi
 
+# compute-sanitizer last: the slowest and the least likely to find what the emulator's ASan and
+# TSan runs have not.
+# shellcheck disable=SC2086
+timeout 120 make -j"$(nproc)" $vars sanitize-gpu > "$out/sanitize-gpu.log" 2>&1 ||
+    echo "make sanitize-gpu: exit $?" >> "$out/sanitize-gpu.log"
+
 cat "$out/gpu.txt" "$out/make.txt"
 echo "== test-gpu"
 grep -E '^(FAIL|skip)|^ +[a-z_/.]+:[0-9]+:|passed, [0-9]+ failed' "$out/test-gpu.log" | tail -n 60
+echo "== sanitize-gpu"
+grep -E '^(FAIL|skip)|ERROR SUMMARY|passed, [0-9]+ failed' "$out/sanitize-gpu.log" | tail -n 20
 echo "== bench-gpu"
 grep -v '^==' "$out/bench-gpu.log" | tail -n 80
