@@ -183,32 +183,38 @@ static float from_bits(uly_dtype t, uint16_t bits) {
     return __half2float(__half(r));
 }
 
-static void upload(const dev_tensor &x, const fvec &dense) {
-    const uly_tensor &t = x.t;
-    std::vector<uint16_t> host((size_t)x.elems, pad_bits);
+/* f(dense, strided) for every row of t: the index of its first element in the dense [B, S, H, D]
+   array and in t's memory. */
+template <typename F> static void for_rows(const uly_tensor &t, F f) {
     for (int64_t b = 0; b < t.b; b++)
         for (int64_t s = 0; s < t.s; s++)
-            for (int64_t h = 0; h < t.h; h++)
-                for (int64_t d = 0; d < t.d; d++) {
-                    const float f = dense[(size_t)(((b * t.s + s) * t.h + h) * t.d + d)];
-                    host[(size_t)(at(t, b, s, h) + d)] = to_bits(t.dtype, f);
-                }
-    cudaMemcpy(t.data, host.data(), host.size() * 2, cudaMemcpyHostToDevice);
+            for (int64_t h = 0; h < t.h; h++) f(((b * t.s + s) * t.h + h) * t.d, at(t, b, s, h));
+}
+
+/* The dense values into t's view of the elements at mem, and back. */
+static void put_rows(uint16_t *mem, const uly_tensor &t, const fvec &dense) {
+    for_rows(t, [&](int64_t i, int64_t o) {
+        for (int64_t d = 0; d < t.d; d++) mem[o + d] = to_bits(t.dtype, dense[(size_t)(i + d)]);
+    });
+}
+static fvec get_rows(const uint16_t *mem, const uly_tensor &t) {
+    fvec dense((size_t)(t.b * t.s * t.h * t.d));
+    for_rows(t, [&](int64_t i, int64_t o) {
+        for (int64_t d = 0; d < t.d; d++) dense[(size_t)(i + d)] = from_bits(t.dtype, mem[o + d]);
+    });
+    return dense;
+}
+
+static void upload(const dev_tensor &x, const fvec &dense) {
+    std::vector<uint16_t> host((size_t)x.elems, pad_bits);
+    put_rows(host.data(), x.t, dense);
+    cudaMemcpy(x.t.data, host.data(), host.size() * 2, cudaMemcpyHostToDevice);
 }
 
 static fvec download(const dev_tensor &x) {
-    const uly_tensor &t = x.t;
     std::vector<uint16_t> host((size_t)x.elems);
-    cudaMemcpy(host.data(), t.data, host.size() * 2, cudaMemcpyDeviceToHost);
-    fvec dense((size_t)(t.b * t.s * t.h * t.d));
-    for (int64_t b = 0; b < t.b; b++)
-        for (int64_t s = 0; s < t.s; s++)
-            for (int64_t h = 0; h < t.h; h++)
-                for (int64_t d = 0; d < t.d; d++) {
-                    dense[(size_t)(((b * t.s + s) * t.h + h) * t.d + d)] =
-                        from_bits(t.dtype, host[(size_t)(at(t, b, s, h) + d)]);
-                }
-    return dense;
+    cudaMemcpy(host.data(), x.t.data, host.size() * 2, cudaMemcpyDeviceToHost);
+    return get_rows(host.data(), x.t);
 }
 
 /* How many elements outside x's view differ from pad_bits. */
@@ -217,10 +223,7 @@ static int64_t padding_written(const dev_tensor &x) {
     std::vector<uint16_t> host((size_t)x.elems);
     cudaMemcpy(host.data(), t.data, host.size() * 2, cudaMemcpyDeviceToHost);
     std::vector<char> in_view((size_t)x.elems, 0);
-    for (int64_t b = 0; b < t.b; b++)
-        for (int64_t s = 0; s < t.s; s++)
-            for (int64_t h = 0; h < t.h; h++)
-                memset(&in_view[(size_t)at(t, b, s, h)], 1, (size_t)t.d);
+    for_rows(t, [&](int64_t, int64_t o) { memset(&in_view[(size_t)o], 1, (size_t)t.d); });
     int64_t n = 0;
     for (size_t i = 0; i < host.size(); i++) n += !in_view[i] && host[i] != pad_bits;
     return n;
@@ -234,25 +237,14 @@ typedef struct run_out {
     bool ok;
 } run_out;
 
-/* Forward and backward of attention `fa` on the device, dense, or (varlen, flash only) packed
-   [1, total, H, D] documents. */
-static run_out run_attn(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
-                        bool varlen, const inputs &in, const uly_attn &fa) {
-    run_out r;
-    const int64_t B = varlen ? 1 : c.B, Sq = varlen ? cu_q.back() : c.Sq;
-    const int64_t Sk = varlen ? cu_k.back() : c.Sk;
-    dev_tensor dq_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided), dk_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided);
-    dev_tensor dv_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided), do_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided);
-    dev_tensor q_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided), o_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided);
-    dev_tensor k_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided), v_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided);
-    upload(q_, in.q), upload(k_, in.k), upload(v_, in.v), upload(do_, in.dout);
-
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = q_.t, a.k = k_.t, a.v = v_.t, a.o = o_.t, a.dout = do_.t, a.dq = dq_.t, a.dk = dk_.t;
-    a.dv = dv_.t, a.causal = c.causal, a.deterministic = c.deterministic;
+/* Forward and backward of attention `fa` on the eight tensors in a (the rest of a comes from c),
+   dense, or (varlen, flash only) packed [1, total, H, D] documents: true when both ran, the lse
+   in *lse. */
+static bool run_kernels(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
+                        bool varlen, const uly_attn &fa, uly_attn_args a, fvec *lse) {
+    a.causal = c.causal, a.deterministic = c.deterministic;
     a.q_head0 = c.q_head0, a.kv_group = c.kv_group;
-    const int64_t nlse = B * c.H * Sq;
+    const int64_t nlse = a.q.b * c.H * a.q.s;
     cudaMalloc((void **)&a.lse, (size_t)(nlse > 0 ? nlse : 1) * 4);
     const int64_t ws = fa.workspace(fa.ctx, &a);
     cudaMalloc(&a.workspace, (size_t)(ws > 0 ? ws : 1));
@@ -273,13 +265,35 @@ static run_out run_attn(const fcase &c, const std::vector<int> &cu_q, const std:
     }
     uly_status st = varlen ? uly_flash_varlen_fwd(&a, &vl) : fa.fwd(fa.ctx, &a);
     CHECK(st.code == ULY_OK, "forward: %s", st.msg);
-    r.ok = st.code == ULY_OK;
-    if (r.ok) {
+    if (st.code == ULY_OK) {
         st = varlen ? uly_flash_varlen_bwd(&a, &vl) : fa.bwd(fa.ctx, &a);
         CHECK(st.code == ULY_OK, "backward: %s", st.msg);
-        r.ok = st.code == ULY_OK;
     }
     CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
+    lse->resize((size_t)nlse);
+    cudaMemcpy(lse->data(), a.lse, (size_t)nlse * 4, cudaMemcpyDeviceToHost);
+    cudaFree(a.lse), cudaFree(a.workspace), cudaFree(cu);
+    return st.code == ULY_OK;
+}
+
+/* run_kernels on tensors of their own, dense or padded (c.strided); nothing outside a view may
+   change. */
+static run_out run_attn(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
+                        bool varlen, const inputs &in, const uly_attn &fa) {
+    run_out r;
+    const int64_t B = varlen ? 1 : c.B, Sq = varlen ? cu_q.back() : c.Sq;
+    const int64_t Sk = varlen ? cu_k.back() : c.Sk;
+    dev_tensor dq_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided), dk_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided);
+    dev_tensor dv_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided), do_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided);
+    dev_tensor q_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided), o_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided);
+    dev_tensor k_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided), v_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided);
+    upload(q_, in.q), upload(k_, in.k), upload(v_, in.v), upload(do_, in.dout);
+
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = q_.t, a.k = k_.t, a.v = v_.t, a.o = o_.t, a.dout = do_.t, a.dq = dq_.t, a.dk = dk_.t;
+    a.dv = dv_.t;
+    r.ok = run_kernels(c, cu_q, cu_k, varlen, fa, a, &r.lse);
     const dev_tensor *all[8] = {&q_, &k_, &v_, &do_, &o_, &dq_, &dk_, &dv_};
     const char *names[8] = {"q", "k", "v", "dout", "o", "dq", "dk", "dv"};
     for (int i = 0; i < 8; i++) {
@@ -288,10 +302,7 @@ static run_out run_attn(const fcase &c, const std::vector<int> &cu_q, const std:
               (long long)n, names[i]);
     }
     r.o = download(o_), r.dq = download(dq_), r.dk = download(dk_), r.dv = download(dv_);
-    r.lse.resize((size_t)nlse);
-    cudaMemcpy(r.lse.data(), a.lse, (size_t)nlse * 4, cudaMemcpyDeviceToHost);
     for (dev_tensor *x : {&q_, &k_, &v_, &o_, &do_, &dq_, &dk_, &dv_}) cudaFree(x->t.data);
-    cudaFree(a.lse), cudaFree(a.workspace), cudaFree(cu);
     return r;
 }
 

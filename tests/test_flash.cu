@@ -21,6 +21,9 @@
 #include "flash_case.h"
 
 #include <thread>
+#ifdef ULY_EMU
+#include <sys/mman.h>
+#endif
 
 /* ---------------------------------------------------------------------------------------------
    Tests */
@@ -227,6 +230,51 @@ TEST(ldmatrix_reads_have_no_bank_conflicts) {
             CHECK(extra == 0, "D=%lld deterministic=%d: %llu extra ldmatrix wavefronts",
                   (long long)D, det, extra);
         }
+}
+#endif
+
+#ifdef ULY_EMU
+/* 64-bit offsets: 1M tokens x 32 heads x 128 dims is 2^32 elements, so offsets past int32 are
+   the everyday case. Under the emulator device memory is host memory, and the eight tensors lie
+   in one sparse mapping far larger than what they touch: token rows 2^25 elements apart, heads
+   2^23, each tensor at its own offset in a row. 65 tokens span 2^31 + 2^25 elements and batch 1
+   begins there; a row offset computed in 32 bits reads or writes the wrong row. */
+TEST(offsets_past_int32) {
+    const int64_t ss = int64_t(1) << 25, sh = int64_t(1) << 23;
+    for (int deterministic : {0, 1}) {
+        fcase c = make_case({2, 65, 65, 2, 1, 1}, 128, ULY_BF16);
+        c.deterministic = deterministic;
+        const size_t bytes = (size_t)(c.B * c.Sq * ss) * 2;
+        void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        CHECK(map != MAP_FAILED, "mmap of %zu bytes", bytes);
+        if (map == MAP_FAILED) return;
+        uint16_t *mem = (uint16_t *)map;
+        uly_attn_args a;
+        memset(&a, 0, sizeof a);
+        uly_tensor *const t[8] = {&a.q, &a.k, &a.v, &a.dout, &a.o, &a.dq, &a.dk, &a.dv};
+        for (int i = 0; i < 8; i++) {
+            const bool kv = t[i] == &a.k || t[i] == &a.v || t[i] == &a.dk || t[i] == &a.dv;
+            *t[i] = uly_dense(mem + i * c.D, c.dt, c.B, c.Sq, kv ? c.Hkv : c.H, c.D);
+            t[i]->sh = sh, t[i]->ss = ss, t[i]->sb = c.Sq * ss;
+        }
+        const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+        const std::pair<const uly_tensor *, const fvec *> ins[4] = {
+            {&a.q, &in.q}, {&a.k, &in.k}, {&a.v, &in.v}, {&a.dout, &in.dout}};
+        for (const auto &x : ins) put_rows((uint16_t *)x.first->data, *x.first, *x.second);
+        const std::vector<int> cu = dense_cu(c.B, c.Sq);
+        run_out got;
+        got.ok = run_kernels(c, cu, cu, false, uly_flash_attention(), a, &got.lse);
+        const std::pair<const uly_tensor *, fvec *> outs[4] = {
+            {&a.o, &got.o}, {&a.dq, &got.dq}, {&a.dk, &got.dk}, {&a.dv, &got.dv}};
+        for (const auto &x : outs) *x.second = get_rows((const uint16_t *)x.first->data, *x.first);
+        if (got.ok) {
+            const outputs cpu = run_cpu(c, in);
+            check_outputs(c, got, reference(c, cu, cu, false, in, false),
+                          reference(c, cu, cu, false, in, true), &cpu);
+        }
+        munmap(map, bytes);
+    }
 }
 #endif
 
