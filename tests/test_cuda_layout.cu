@@ -15,6 +15,10 @@
 #include "check.h"
 #include "ref64.h"
 
+#ifdef ULY_EMU
+#include <sys/mman.h>
+#endif
+
 /* P, B, S, H, Hkv, D */
 typedef struct lcase {
     int P;
@@ -115,6 +119,24 @@ static int64_t tensor_bytes(form f, uly_dtype t, int64_t B, int64_t s, int64_t h
 /* ---------------------------------------------------------------------------------------------
    One exchange on one rank, both ways */
 
+/* The tensor side of exchange x on a rank: sequence layout for pack Q/KV and unpack O/DKV, else
+   head layout; its tokens s and heads h, and the head counts nq, nkv of a fused buffer. */
+typedef struct side {
+    int kv;
+    int64_t s, h, nq, nkv;
+} side;
+
+static side side_of(const uly_plan *p, const lcase *c, int rank, uly_xchg x, int unpack) {
+    side t;
+    t.kv = x == ULY_X_KV || x == ULY_X_DKV;
+    const int seq = (x == ULY_X_Q || x == ULY_X_KV) != unpack;
+    t.s = seq ? uly_tokens(p, rank).count : c->S;
+    t.h = seq ? (t.kv ? c->Hkv : c->H) : (t.kv ? uly_kv_heads(p, rank) : uly_heads(p, rank)).count;
+    t.nq = seq ? c->H : uly_heads(p, rank).count;
+    t.nkv = seq ? c->Hkv : uly_kv_heads(p, rank).count;
+    return t;
+}
+
 static void check_one(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unpack, form f) {
     uly_plan p;
     uly_plan_desc d;
@@ -126,19 +148,13 @@ static void check_one(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unp
     CHECK(!st.code, "plan: %s", st.msg);
     if (st.code) return;
 
-    /* The tensor side: sequence layout for pack Q/KV and unpack O/DKV, else head layout. */
-    int kv = x == ULY_X_KV || x == ULY_X_DKV, seq = (x == ULY_X_Q || x == ULY_X_KV) != unpack;
-    uly_range heads = kv ? uly_kv_heads(&p, rank) : uly_heads(&p, rank);
-    int64_t s = seq ? uly_tokens(&p, rank).count : c->S;
-    int64_t h = seq ? (kv ? c->Hkv : c->H) : heads.count;
-    int64_t nq = seq ? c->H : uly_heads(&p, rank).count;
-    int64_t nkv = seq ? c->Hkv : uly_kv_heads(&p, rank).count;
-    buf tb = buf_new(tensor_bytes(f, t, c->B, s, h, c->D, nq, nkv));
+    const side sd = side_of(&p, c, rank, x, unpack);
+    buf tb = buf_new(tensor_bytes(f, t, c->B, sd.s, sd.h, c->D, sd.nq, sd.nkv));
     buf xb = buf_new(unpack ? uly_recv_bytes(&p, x) : uly_send_bytes(&p, x));
     buf_fill(&tb, t, 7);
     buf_fill(&xb, t, 11);
-    uly_tensor th = tensor_in(tb.host, f, t, c->B, s, h, c->D, kv, nq, nkv);
-    uly_tensor tg = tensor_in(tb.dev, f, t, c->B, s, h, c->D, kv, nq, nkv);
+    uly_tensor th = tensor_in(tb.host, f, t, c->B, sd.s, sd.h, c->D, sd.kv, sd.nq, sd.nkv);
+    uly_tensor tg = tensor_in(tb.dev, f, t, c->B, sd.s, sd.h, c->D, sd.kv, sd.nq, sd.nkv);
 
     uly_layout cpu = uly_cpu_layout(), gpu = uly_cuda_layout();
     uly_status want, got;
@@ -177,6 +193,79 @@ TEST(unpack_dense_matches_cpu) { check_sweep(1, DENSE); }
 TEST(unpack_into_fused_views_matches_cpu) { check_sweep(1, FUSED); }
 TEST(unpack_heads_outer_matches_cpu) { check_sweep(1, HEADS_OUTER); }
 TEST(unpack_misaligned_takes_element_path) { check_sweep(1, SHIFTED); }
+
+#ifdef ULY_EMU
+/* 64-bit offsets, as in test_flash's offsets_past_int32: under the emulator device memory is host
+   memory, so the tensor side of every exchange can lie in a sparse mapping with token rows 2^25
+   elements apart: rank 1's 70 tokens (all 140 on the head side) span past 2^31 elements and
+   batch 1 starts there. Heads adjacent (one merged row per token) or 2^12 apart. Pack reads the
+   mapping and unpack writes it, bit for bit as uly_cpu_layout does. */
+static char *far_map(size_t bytes) {
+    void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    CHECK(m != MAP_FAILED, "mmap of %zu bytes", bytes);
+    return m == MAP_FAILED ? NULL : (char *)m;
+}
+
+/* Rows of t's view (D elements of es bytes each) at a and b that differ; with fill, first sets
+   a's rows to random values. */
+static int64_t far_rows(const uly_tensor &t, char *a, const char *b, int fill) {
+    const int64_t es = uly_dtype_size(t.dtype), row = t.d * es;
+    ref_rng r = ref_seed(5);
+    int64_t n = 0;
+    for (int64_t i = 0; i < t.b; i++)
+        for (int64_t s = 0; s < t.s; s++)
+            for (int64_t h = 0; h < t.h; h++) {
+                const int64_t o = (i * t.sb + s * t.ss + h * t.sh) * es;
+                if (fill)
+                    for (int64_t e = 0; e < row; e += 2) {
+                        const __nv_bfloat16 v = __float2bfloat16_rn(ref_uniform(&r));
+                        memcpy(a + o + e, &v, 2);
+                    }
+                n += memcmp(a + o, b + o, (size_t)row) != 0;
+            }
+    return n;
+}
+
+TEST(offsets_past_int32) {
+    const lcase c = {2, 2, 140, 4, 2, 8};
+    uly_plan p;
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = 2, d.rank = 1, d.sp_size = 2, d.batch = c.B, d.seq_len = c.S;
+    d.n_heads = c.H, d.n_kv_heads = c.Hkv, d.head_dim = c.D, d.dtype = ULY_BF16;
+    uly_status st = uly_plan_init(&p, &d);
+    CHECK(!st.code, "plan: %s", st.msg);
+    if (st.code) return;
+    const uly_layout cpu = uly_cpu_layout(), gpu = uly_cuda_layout();
+    for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
+        for (int unpack = 0; unpack < 2; unpack++)
+            for (int64_t sh : {c.D, (int64_t)1 << 12}) {
+                const side sd = side_of(&p, &c, 1, (uly_xchg)x, unpack);
+                uly_tensor tg = uly_dense(NULL, ULY_BF16, c.B, sd.s, sd.h, c.D), th;
+                tg.sh = sh, tg.ss = (int64_t)1 << 25, tg.sb = sd.s * tg.ss;
+                const size_t bytes = (size_t)(c.B * tg.sb) * 2;
+                char *gm = far_map(bytes), *cm = unpack ? far_map(bytes) : gm;
+                if (!gm || !cm) return;
+                tg.data = gm, th = tg, th.data = cm;
+                buf xb = buf_new(unpack ? uly_recv_bytes(&p, (uly_xchg)x)
+                                        : uly_send_bytes(&p, (uly_xchg)x));
+                buf_fill(&xb, ULY_BF16, 11);
+                if (!unpack) far_rows(tg, gm, gm, 1);
+                const uly_status want = unpack ? cpu.unpack(cpu.ctx, &p, (uly_xchg)x, xb.host, th, NULL)
+                                               : cpu.pack(cpu.ctx, &p, (uly_xchg)x, th, xb.host, NULL);
+                const uly_status got = unpack ? gpu.unpack(gpu.ctx, &p, (uly_xchg)x, xb.dev, tg, NULL)
+                                              : gpu.pack(gpu.ctx, &p, (uly_xchg)x, tg, xb.dev, NULL);
+                const int64_t diff = unpack ? far_rows(tg, gm, cm, 0) : buf_diff(&xb);
+                CHECK(!want.code && !got.code && !diff, "%s %s, sh %lld: cpu '%s', gpu '%s', %lld %s differ",
+                      unpack ? "unpack" : "pack", xnames[x], (long long)sh, want.msg, got.msg,
+                      (long long)diff, unpack ? "rows" : "bytes");
+                buf_free(&xb);
+                munmap(gm, bytes);
+                if (unpack) munmap(cm, bytes);
+            }
+}
+#endif
 
 /* The box kernel's stepping: a position advanced k times by the grid's stride (uly__pos_add)
    has the digits of the flat index start + k * stride (uly__pos_of). Each walk is one thread;
