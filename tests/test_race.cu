@@ -47,10 +47,20 @@ template <typename Launch> static int reports_of(bool quiet, Launch launch) {
         CHECK(racy > 0, "the racy kernel: no report");                                          \
     } while (0)
 
+// Device buffers the kernels share: where they write, and a zero 8 x 8 bf16 tile to copy in.
 static float *out_buffer() {
     static float *out;
     if (!out) cudaMalloc(&out, 4096 * sizeof(float));
     return out;
+}
+
+static const __nv_bfloat16 *tile_source() {
+    static __nv_bfloat16 *src;
+    if (!src) {
+        cudaMalloc(&src, 64 * sizeof(__nv_bfloat16));
+        cudaMemset(src, 0, 64 * sizeof(__nv_bfloat16));
+    }
+    return src;
 }
 
 // Warp 0 writes shared memory, warp 1 reads it: only a __syncthreads between orders them.
@@ -129,23 +139,17 @@ __global__ void wait_after_barrier(bool fixed, const __nv_bfloat16 *src, float *
 }
 
 TEST(a_tile_refilled_while_ldmatrix_reads_it_is_a_race) {
-    __nv_bfloat16 *src;
-    cudaMalloc(&src, 64 * sizeof(__nv_bfloat16));
-    cudaMemset(src, 0, 64 * sizeof(__nv_bfloat16));
+    const __nv_bfloat16 *src = tile_source();
     float *out = out_buffer();
     CHECK_RACE(ULY_LAUNCH(refill_while_read, 1, 64, 128, 0, false, src, out),
                ULY_LAUNCH(refill_while_read, 1, 64, 128, 0, true, src, out));
-    cudaFree(src);
 }
 
 TEST(a_cp_async_waited_for_after_the_barrier_is_a_race) {
-    __nv_bfloat16 *src;
-    cudaMalloc(&src, 64 * sizeof(__nv_bfloat16));
-    cudaMemset(src, 0, 64 * sizeof(__nv_bfloat16));
+    const __nv_bfloat16 *src = tile_source();
     float *out = out_buffer();
     CHECK_RACE(ULY_LAUNCH(wait_after_barrier, 1, 64, 128, 0, false, src, out),
                ULY_LAUNCH(wait_after_barrier, 1, 64, 128, 0, true, src, out));
-    cudaFree(src);
 }
 
 // A block that fails leaves threads mid-kernel (here lanes wait in a shuffle for lane 0, which
