@@ -2,9 +2,9 @@
 // tests/emu/cuda_emu.cpp). Each kernel comes twice: with a race CUDA does not order away (a
 // missing __syncthreads or __syncwarp, a cp.async waited for too late), which must be reported,
 // and with the barrier that fixes it, which must not. The kernels of ulysses_cuda.cuh then run
-// under the same detector in make test (test_flash, test_cuda_layout, test_cuda_layer built
-// with -fsanitize=thread), so a missing barrier there is a failure on the CPU, not a wrong
-// number on some GPU under some timing.
+// under the same detector in make test (their tests built with -fsanitize=thread into
+// build/tsan), so a missing barrier there is a failure on the CPU, not a wrong number on some
+// GPU under some timing.
 //
 // Built only with -fsanitize=thread and the emulator's TSan build; reports are counted through
 // ThreadSanitizer's __tsan_on_report hook, and the expected ones are not printed.
