@@ -58,20 +58,34 @@ static void uly_register_test(const char *name, uly_test_fn fn) {
     CHECK(fabs((double)(got) - (double)(want)) <= (tol), "%s: got %.9g want %.9g (tol %g)", \
           (what), (double)(got), (double)(want), (double)(tol))
 
-/* Whether name contains one of the comma-separated words of filter. */
+/* Whether name contains the word, of n characters. */
+static int uly_test_has(const char *name, const char *w, size_t n) {
+    for (const char *p = name; strlen(p) >= n; p++)
+        if (strncmp(p, w, n) == 0) return 1;
+    return 0;
+}
+
+/* Whether filter, comma-separated words, selects name: a word that starts with '-' excludes the
+   tests that contain the rest of it; the others select the tests that contain them, and when
+   there are none every test not excluded is selected. */
 static int uly_test_selected(const char *name, const char *filter) {
+    int wanted = 0, any_wanted = 0;
     for (const char *w = filter;;) {
         const char *end = strchr(w, ',');
         const size_t n = end ? (size_t)(end - w) : strlen(w);
-        for (const char *p = name; strlen(p) >= n; p++)
-            if (strncmp(p, w, n) == 0) return 1;
-        if (!end) return 0;
+        if (*w == '-') {
+            if (uly_test_has(name, w + 1, n - 1)) return 0;
+        } else {
+            any_wanted = 1;
+            wanted |= uly_test_has(name, w, n);
+        }
+        if (!end) return wanted || !any_wanted;
         w = end + 1;
     }
 }
 
 /* Runs every test, or those ULY_TEST_FILTER selects (ULY_TEST_FILTER=d128,masked: the tests
-   whose name contains d128 or masked). */
+   whose name contains d128 or masked; ULY_TEST_FILTER=-d128: all but those with d128). */
 static int uly_run_tests(void) {
     const char *filter = getenv("ULY_TEST_FILTER");
     int passed = 0, failed = 0;
@@ -88,6 +102,10 @@ static int uly_run_tests(void) {
             passed++;
         }
         fflush(stdout);
+    }
+    if (filter && passed + failed == 0) { /* a misspelt filter must not read as a pass */
+        printf("FAIL ULY_TEST_FILTER=%s selects no test\n", filter);
+        failed = 1;
     }
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
