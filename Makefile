@@ -354,7 +354,10 @@ TEST_BINS += $(FLASH_TESTS:%=$(BUILD)/gpu/%)
 else
 TESTS     += 'skip:flash kernel spill check (no nvcc)'
 endif
-GPU_TESTS += $(FLASH_TESTS:%=$(BUILD)/gpu/%)
+# A trap ends a GPU's CUDA context, so test_flash's traps_on_cu_seqlens_* run a process each.
+FLASH_TRAPS = decreasing not_from_0 short_of_rows past_rows over_max backward
+GPU_TESTS += 'ULY_TEST_FILTER=-traps_on $(BUILD)/gpu/test_flash' $(BUILD)/gpu/test_cublaslt \
+             $(foreach t,$(FLASH_TRAPS),'ULY_TEST_FILTER=traps_on_cu_seqlens_$(t) $(BUILD)/gpu/test_flash')
 GPU_BINS  += $(FLASH_TESTS:%=$(BUILD)/gpu/%)
 
 # TFLOP/s against PyTorch's SDPA, results under bench/ (bench/run_attn.sh says which files).

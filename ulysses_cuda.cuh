@@ -151,10 +151,13 @@ ULYDEF uly_layer uly_cuda_layer(const uly_plan *plan, const uly_comm *comm, void
    concatenated along the sequence. q and o are [1, total_q, H, D], k and v [1, total_k, Hkv, D]
    (same rules as the dense contract), lse fp32 [H, total_q]. Document b owns query rows
    [cu_seqlens_q[b], cu_seqlens_q[b+1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]);
-   attention, and the bottom-right causal mask, stay inside a document. */
+   attention, and the bottom-right causal mask, stay inside a document. cu_seqlens breaking the
+   rules below (or a document longer than max_seqlen) stops the call's first kernel with a
+   message, as a device-side assert: the next sync returns a launch failure, and the CUDA context
+   is lost, never memory out of bounds or rows left unwritten. */
 typedef struct uly_varlen {
-    const int32_t *cu_seqlens_q; /* device memory, [batch + 1], starting at 0, nondecreasing */
-    const int32_t *cu_seqlens_k; /* device memory, [batch + 1] */
+    const int32_t *cu_seqlens_q; /* device memory, [batch + 1]: from 0 to total_q, nondecreasing */
+    const int32_t *cu_seqlens_k; /* device memory, [batch + 1]: from 0 to total_k, nondecreasing */
     int64_t batch;
     int64_t max_seqlen_q;        /* the longest document's query and key counts (grid size) */
     int64_t max_seqlen_k;
@@ -1144,6 +1147,40 @@ __device__ __forceinline__ uly__fa_seq uly__fa_seq_of(const uly__fa_params &p, i
     return {0, q0, k0, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0};
 }
 
+/* Whether document b of the batch-long cu_seqlens cu is one of a packing of n rows: it starts
+   at 0 if first, ends at n if last, does not end before it starts and is at most max long.
+   Every document passing makes the packing nondecreasing from 0 to n, so within bounds. */
+__device__ __forceinline__ bool uly__fa_doc_ok(const int32_t *cu, int b, int batch, int n,
+                                               int max) {
+    const int x0 = cu[b], x1 = cu[b + 1];
+    return (b > 0 || x0 == 0) && (b < batch - 1 || x1 == n) && x0 <= x1 && x1 - x0 <= max;
+}
+
+/* cu_seqlens is device data the host never reads, and a bad one would make the flash kernels
+   read and write out of bounds or leave rows unwritten. This block runs before them on the
+   stream: at the first bad document it says why and traps (a launch failure at the next sync,
+   as a device-side assert), so they never run. A kernel of its own, so the flash kernels spend
+   no registers on it. */
+__global__ void __launch_bounds__(256)
+    uly__fa_check_docs(const int32_t *cu_q, const int32_t *cu_k, int batch, int nq, int nk,
+                       int max_q, int max_k) {
+    __shared__ int bad;
+    if (threadIdx.x == 0) bad = batch;
+    __syncthreads();
+    for (int b = (int)threadIdx.x; b < batch; b += (int)blockDim.x)
+        if (!uly__fa_doc_ok(cu_q, b, batch, nq, max_q) || !uly__fa_doc_ok(cu_k, b, batch, nk, max_k))
+            atomicMin(&bad, b);
+    __syncthreads();
+    if (threadIdx.x == 0 && bad < batch) {
+        const int b = bad;
+        printf("ulysses: varlen document %d of %d: cu_seqlens_q [%d, %d) of %d rows, max_seqlen_q "
+               "%d; cu_seqlens_k [%d, %d) of %d rows, max_seqlen_k %d. cu_seqlens must start at 0, "
+               "not decrease, end at the rows, and keep each document within max_seqlen\n",
+               b, batch, cu_q[b], cu_q[b + 1], nq, max_q, cu_k[b], cu_k[b + 1], nk, max_k);
+        __trap();
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ T *uly__fa_row(const uly_tensor &t, int64_t b, int64_t s, int64_t h) {
     return (T *)t.data + b * t.sb + s * t.ss + h * t.sh;
@@ -1877,9 +1914,9 @@ template <typename F> static uly_status uly__fa_dispatch(uly_dtype t, int64_t d,
 
 static int uly__fa_cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
-/* Launches kernel on grid (nothing for an empty grid) with the dynamic shared memory it asks. */
-/* Up to 48 KB of dynamic shared memory needs no opt-in; above, the kernel asks for it, once the
-   device is known to have it. */
+/* Launches kernel on grid (nothing for an empty grid) with the dynamic shared memory it asks.
+   Up to 48 KB needs no opt-in; above, the kernel asks for it, once the device is known to have
+   it. */
 template <typename... P>
 static uly_status uly__fa_launch(void (*kernel)(P...), const char *name, dim3 grid, int threads,
                                  size_t smem, cudaStream_t stream, const uly__fa_params &p) {
@@ -1941,6 +1978,11 @@ static uly_status uly__fa_run(const uly_attn_args *a, const uly_varlen *vl, int 
     const int batch = (int)(vl ? vl->batch : a->q.b);
     const int64_t max_sq = vl ? vl->max_seqlen_q : a->q.s, max_sk = vl ? vl->max_seqlen_k : a->k.s;
     cudaStream_t stream = (cudaStream_t)a->stream;
+    if (vl) {
+        ULY_LAUNCH(uly__fa_check_docs, dim3(1), dim3(256), 0, stream, p.cu_q, p.cu_k, batch, p.sq,
+                   p.sk, (int)max_sq, (int)max_sk);
+        ULY__TRY(uly__cuda(cudaGetLastError(), "uly__fa_check_docs"));
+    }
     return uly__fa_dispatch(a->q.dtype, a->q.d, [&](auto t, auto d) {
         using T = typename decltype(t)::type;
         constexpr int D = decltype(d)::value;

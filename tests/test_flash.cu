@@ -20,6 +20,7 @@
 #include "check.h"
 #include "flash_case.h"
 
+#include <algorithm>
 #include <thread>
 #ifdef ULY_EMU
 #include <sys/mman.h>
@@ -314,6 +315,79 @@ TEST(varlen_documents) {
         CHECK(nonfinite_outputs(got) == 0, "%s: %d outputs are NaN or inf", describe(c).c_str(),
               nonfinite_outputs(got));
     }
+}
+
+/* cu_seqlens that break uly_varlen's rules stop the call. On a GPU a trap ends the CUDA context,
+   so each test traps once and make test-gpu runs each in a process of its own (FLASH_TRAPS in
+   the Makefile); the emulator's failures are not sticky. */
+
+/* A varlen forward, or backward, of documents cu_q and cu_k over tensors of nq and nk rows with
+   max_seqlen max_q and max_k: the call or the next sync fails, and under the emulator the check
+   kernel is what trapped, before any flash kernel wrote an output. */
+static void expect_trap(const std::vector<int> &cu_q, const std::vector<int> &cu_k, int64_t nq,
+                        int64_t nk, int64_t max_q, int64_t max_k, bool backward) {
+    const int64_t H = 2, D = 64;
+    dev_tensor x[8];
+    for (int i = 0; i < 8; i++) /* q k v o, dout dk dv dq: keys' rows at 1, 2, 5 and 6 */
+        x[i] = dev_alloc(ULY_BF16, 1, i % 4 == 1 || i % 4 == 2 ? nk : nq, H, D, 0);
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = x[0].t, a.k = x[1].t, a.v = x[2].t, a.o = x[3].t;
+    a.dout = x[4].t, a.dk = x[5].t, a.dv = x[6].t, a.dq = x[7].t;
+    cudaMalloc((void **)&a.lse, (size_t)(H * nq * 4));
+    const uly_attn fa = uly_flash_attention();
+    cudaMalloc(&a.workspace, (size_t)std::max<int64_t>(16, fa.workspace(fa.ctx, &a)));
+    const size_t n = cu_q.size();
+    int32_t *cu = NULL;
+    cudaMalloc((void **)&cu, 2 * n * 4);
+    cudaMemcpy(cu, cu_q.data(), n * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(cu + n, cu_k.data(), n * 4, cudaMemcpyHostToDevice);
+    const uly_varlen vl = {cu, cu + n, (int64_t)n - 1, max_q, max_k};
+#ifdef ULY_EMU
+    uly_emu_set_quiet(true);
+#endif
+    printf("     (a kernel message below is expected)\n");
+    fflush(stdout);
+    const uly_status st = backward ? uly_flash_varlen_bwd(&a, &vl) : uly_flash_varlen_fwd(&a, &vl);
+    const cudaError_t e = cudaDeviceSynchronize();
+    CHECK(st.code != ULY_OK || e != cudaSuccess, "%s ran: %s, sync: %s",
+          backward ? "backward" : "forward", st.msg, cudaGetErrorString(e));
+#ifdef ULY_EMU
+    uly_emu_set_quiet(false);
+    const std::string why = uly_emu_last_failure();
+    CHECK(why.find("uly__fa_check_docs") != std::string::npos &&
+              why.find("__trap") != std::string::npos,
+          "not the cu_seqlens check's trap: %s", why.c_str());
+    const char *names[8] = {"q", "k", "v", "o", "dout", "dk", "dv", "dq"};
+    for (int i = 0; i < 8; i++) {
+        std::vector<uint16_t> bits((size_t)x[i].elems);
+        cudaMemcpy(bits.data(), x[i].t.data, bits.size() * 2, cudaMemcpyDeviceToHost);
+        CHECK(std::count(bits.begin(), bits.end(), pad_bits) == x[i].elems, "%s was written",
+              names[i]);
+    }
+#endif
+    for (int i = 0; i < 8; i++) cudaFree(x[i].t.data);
+    cudaFree(a.lse), cudaFree(a.workspace), cudaFree(cu);
+}
+
+/* Documents of 40 and 30 rows, in tensors of 70: each rule broken once. */
+TEST(traps_on_cu_seqlens_decreasing) {
+    expect_trap({0, 40, 30, 70}, {0, 40, 70, 70}, 70, 70, 40, 40, false);
+}
+TEST(traps_on_cu_seqlens_not_from_0) {
+    expect_trap({0, 40, 70}, {5, 40, 70}, 70, 70, 40, 40, false);
+}
+TEST(traps_on_cu_seqlens_short_of_rows) {
+    expect_trap({0, 40, 60}, {0, 40, 70}, 70, 70, 40, 40, false);
+}
+TEST(traps_on_cu_seqlens_past_rows) {
+    expect_trap({0, 40, 70}, {0, 40, 80}, 70, 70, 40, 40, false);
+}
+TEST(traps_on_cu_seqlens_over_max) {
+    expect_trap({0, 40, 70}, {0, 40, 70}, 70, 70, 39, 40, false);
+}
+TEST(traps_on_cu_seqlens_backward) {
+    expect_trap({0, 40, 70}, {0, 30, 70}, 70, 70, 40, 30, true);
 }
 
 /* What the kernels do not take is a named error, not a wrong answer. */
