@@ -1728,16 +1728,20 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
             float dq[2][QN / 8][4];
             uly__frag_zero(dq);
             uly__mma_ss<T, 2, QN / 8, BN, BN, false, D, true, 4>(dq, sdS, qm, sK, qd);
+            /* One 64-bit row base per block; the thread's 4 rows are int offsets from it, and
+               each row's 2 * QN / 8 adds are immediate offsets from one address. */
+            float *acc = p.dq_acc + uly__fa_lse_index(p, s, h, m0) * D + qd + uly__frag_col(0);
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int r = m0 + qm + 16 * mt + uly__frag_row(i);
-                    if (r >= s.sq) continue;
-                    float *acc = p.dq_acc + uly__fa_lse_index(p, s, h, r) * D + qd;
+                for (int hf = 0; hf < 2; hf++) {
+                    const int r = qm + 16 * mt + uly__frag_row(2 * hf);
+                    if (m0 + r >= s.sq) continue;
 #pragma unroll
-                    for (int nt = 0; nt < QN / 8; nt++)
-                        atomicAdd(acc + 8 * nt + uly__frag_col(i), dq[mt][nt][i]);
+                    for (int nt = 0; nt < QN / 8; nt++) {
+                        atomicAdd(acc + r * D + 8 * nt, dq[mt][nt][2 * hf]);
+                        atomicAdd(acc + r * D + 8 * nt + 1, dq[mt][nt][2 * hf + 1]);
+                    }
                 }
         }
         h = h_next, m0 = m_next;
