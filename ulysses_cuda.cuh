@@ -1645,6 +1645,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     constexpr int KW = BN / 32, KN = D * KW / C::WARPS;  /* dK, dV: KW warps along n, KN dims each */
     constexpr int QW = BM / 32, QN = D * QW / C::WARPS;  /* dQ: QW warps along m, QN dims each */
     static_assert(SN % 16 == 0 && KN % 16 == 0 && QN % 16 == 0, "whole ldmatrix.x4 blocks");
+    static_assert(BM <= NT, "a thread loads at most one query row's lse and Dsum");
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
     const int n0 = (int)blockIdx.x * BN;
     if (n0 >= s.sk) return;
@@ -1673,7 +1674,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
                                   p.q.ss, s.sq - m0);
         uly__tile_load<BM, D, NT>(sdO0 + stage * BM * D * 2,
                                   uly__fa_row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss, s.sq - m0);
-        for (int r = (int)threadIdx.x; r < BM; r += NT) {
+        const int r = (int)threadIdx.x; /* one row a thread (BM <= NT) */
+        if (r < BM) {
             const bool ok = m0 + r < s.sq;
             const int64_t i = uly__fa_lse_index(p, s, h, m0 + r);
             rows[stage * 2 * BM + r] = ok ? p.lse[i] * ULY__LOG2E : INFINITY;
