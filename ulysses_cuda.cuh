@@ -151,10 +151,10 @@ ULYDEF uly_layer uly_cuda_layer(const uly_plan *plan, const uly_comm *comm, void
    concatenated along the sequence. q and o are [1, total_q, H, D], k and v [1, total_k, Hkv, D]
    (same rules as the dense contract), lse fp32 [H, total_q]. Document b owns query rows
    [cu_seqlens_q[b], cu_seqlens_q[b+1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]);
-   attention, and the bottom-right causal mask, stay inside a document. cu_seqlens breaking the
-   rules below (or a document longer than max_seqlen) stops the call's first kernel with a
-   message, as a device-side assert: the next sync returns a launch failure, and the CUDA context
-   is lost, never memory out of bounds or rows left unwritten. */
+   attention, and the bottom-right causal mask, stay inside a document. A cu_seqlens that breaks
+   the rules below, or a document longer than max_seqlen, stops the call's first kernel with a
+   message, as a device-side assert does: the next sync returns a launch failure and the CUDA
+   context is lost, but no memory out of bounds is touched and no row is left unwritten. */
 typedef struct uly_varlen {
     const int32_t *cu_seqlens_q; /* device memory, [batch + 1]: from 0 to total_q, nondecreasing */
     const int32_t *cu_seqlens_k; /* device memory, [batch + 1]: from 0 to total_k, nondecreasing */
@@ -1168,7 +1168,8 @@ __global__ void __launch_bounds__(256)
     if (threadIdx.x == 0) bad = batch;
     __syncthreads();
     for (int b = (int)threadIdx.x; b < batch; b += (int)blockDim.x)
-        if (!uly__fa_doc_ok(cu_q, b, batch, nq, max_q) || !uly__fa_doc_ok(cu_k, b, batch, nk, max_k))
+        if (!uly__fa_doc_ok(cu_q, b, batch, nq, max_q) ||
+            !uly__fa_doc_ok(cu_k, b, batch, nk, max_k))
             atomicMin(&bad, b);
     __syncthreads();
     if (threadIdx.x == 0 && bad < batch) {
@@ -1730,8 +1731,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
             float dq[2][QN / 8][4];
             uly__frag_zero(dq);
             uly__mma_ss<T, 2, QN / 8, BN, BN, false, D, true, 4>(dq, sdS, qm, sK, qd);
-            /* One 64-bit row base per block; the thread's 4 rows are int offsets from it, and
-               each row's 2 * QN / 8 adds are immediate offsets from one address. */
+            /* One 64-bit row base per query block; the thread's 4 rows are int offsets from it,
+               and each row's 2 * QN / 8 adds are immediate offsets from one address. */
             float *acc = p.dq_acc + uly__fa_lse_index(p, s, h, m0) * D + qd + uly__frag_col(0);
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
