@@ -237,6 +237,22 @@ typedef struct run_out {
     bool ok;
 } run_out;
 
+/* cu_seqlens_q and cu_seqlens_k in one device allocation (*cu, for cudaFree), and the varlen
+   description of them, max_seqlen the longest documents. */
+static uly_varlen varlen_on_device(const std::vector<int> &cu_q, const std::vector<int> &cu_k,
+                                   int32_t **cu) {
+    const size_t n = cu_q.size();
+    cudaMalloc((void **)cu, 2 * n * 4);
+    cudaMemcpy(*cu, cu_q.data(), n * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(*cu + n, cu_k.data(), n * 4, cudaMemcpyHostToDevice);
+    uly_varlen vl = {*cu, *cu + n, (int64_t)n - 1, 0, 0};
+    for (size_t b = 0; b + 1 < n; b++) {
+        vl.max_seqlen_q = std::max<int64_t>(vl.max_seqlen_q, cu_q[b + 1] - cu_q[b]);
+        vl.max_seqlen_k = std::max<int64_t>(vl.max_seqlen_k, cu_k[b + 1] - cu_k[b]);
+    }
+    return vl;
+}
+
 /* Forward and backward of attention `fa` on the eight tensors in a (the rest of a comes from c),
    dense, or (varlen, flash only) packed [1, total, H, D] documents: true when both ran, the lse
    in *lse. */
@@ -251,18 +267,7 @@ static bool run_kernels(const fcase &c, const std::vector<int> &cu_q, const std:
 
     uly_varlen vl;
     int32_t *cu = NULL;
-    if (varlen) {
-        const size_t n = cu_q.size();
-        cudaMalloc((void **)&cu, 2 * n * 4);
-        cudaMemcpy(cu, cu_q.data(), n * 4, cudaMemcpyHostToDevice);
-        cudaMemcpy(cu + n, cu_k.data(), n * 4, cudaMemcpyHostToDevice);
-        vl.cu_seqlens_q = cu, vl.cu_seqlens_k = cu + n, vl.batch = (int64_t)n - 1;
-        vl.max_seqlen_q = vl.max_seqlen_k = 0;
-        for (size_t b = 0; b + 1 < n; b++) {
-            vl.max_seqlen_q = std::max<int64_t>(vl.max_seqlen_q, cu_q[b + 1] - cu_q[b]);
-            vl.max_seqlen_k = std::max<int64_t>(vl.max_seqlen_k, cu_k[b + 1] - cu_k[b]);
-        }
-    }
+    if (varlen) vl = varlen_on_device(cu_q, cu_k, &cu);
     uly_status st = varlen ? uly_flash_varlen_fwd(&a, &vl) : fa.fwd(fa.ctx, &a);
     CHECK(st.code == ULY_OK, "forward: %s", st.msg);
     if (st.code == ULY_OK) {

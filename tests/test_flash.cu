@@ -337,12 +337,9 @@ static void expect_trap(const std::vector<int> &cu_q, const std::vector<int> &cu
     cudaMalloc((void **)&a.lse, (size_t)(H * nq * 4));
     const uly_attn fa = uly_flash_attention();
     cudaMalloc(&a.workspace, (size_t)std::max<int64_t>(16, fa.workspace(fa.ctx, &a)));
-    const size_t n = cu_q.size();
     int32_t *cu = NULL;
-    cudaMalloc((void **)&cu, 2 * n * 4);
-    cudaMemcpy(cu, cu_q.data(), n * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(cu + n, cu_k.data(), n * 4, cudaMemcpyHostToDevice);
-    const uly_varlen vl = {cu, cu + n, (int64_t)n - 1, max_q, max_k};
+    uly_varlen vl = varlen_on_device(cu_q, cu_k, &cu);
+    vl.max_seqlen_q = max_q, vl.max_seqlen_k = max_k;
 #ifdef ULY_EMU
     uly_emu_set_quiet(true);
 #endif
