@@ -403,7 +403,7 @@ struct uly__boxes {
     int64_t batch, width, dim; /* B, the extent of the dim all boxes share, D */
     int n;                     /* boxes, one per peer */
     int by_heads;              /* the boxes split heads (else tokens) */
-    int unpack;                /* buf -> t (else t -> buf) */
+    int shared;                /* some head is in two boxes (kv heads several ranks need) */
     int merge;                 /* a row is all of a box's heads at one token: t's heads are
                                   adjacent (sh == D) and no two boxes share a head */
     int64_t start[ULY_MAX_SP], count[ULY_MAX_SP], off[ULY_MAX_SP]; /* split ranges, offsets */
@@ -472,15 +472,21 @@ __device__ __forceinline__ void uly__pos_add(uly__pos &p, const uly__pos &d, int
     p.b += d.b + cs;
 }
 
+/* What a launch does: t to the blocks, the blocks to t, or the blocks to t summing the copies
+   of a head several boxes hold (the DKV unpack of shared kv heads). A template parameter, so
+   the plain copies carry none of the sum's registers: 32 a thread, for full occupancy. */
+enum uly__copy_mode { ULY__PACK, ULY__UNPACK, ULY__UNPACK_SUM };
+
 /* Grid (blocks, boxes): the blocks of column j stride over box j, W elements per access. */
-template <typename T, int W>
-__global__ void __launch_bounds__(ULY__COPY_THREADS) uly__box_copy(const uly__boxes x) {
+template <typename T, int W, int MODE>
+__global__ void __launch_bounds__(ULY__COPY_THREADS, MODE == ULY__UNPACK_SUM ? 4 : 8)
+    uly__box_copy(const uly__boxes x) {
     typedef uly__vec<T, W> V;
     const int j = (int)blockIdx.y;
     const int64_t t0 = x.by_heads ? 0 : x.start[j], nt = x.by_heads ? x.width : x.count[j];
     const int64_t h0 = x.by_heads ? x.start[j] : 0, nh = x.by_heads ? x.count[j] : x.width;
-    /* Unpack: the heads this box shares with the previous one are that box's to write. */
-    const int64_t h_first = x.unpack && x.by_heads && j > 0
+    /* Summing: the heads this box shares with the previous one are that box's to write. */
+    const int64_t h_first = MODE == ULY__UNPACK_SUM && j > 0
                                 ? max((int64_t)0, x.start[j - 1] + x.count[j - 1] - h0)
                                 : 0;
     const int64_t row_heads = x.merge ? nh : 1, rows = x.merge ? 1 : nh - h_first;
@@ -494,14 +500,16 @@ __global__ void __launch_bounds__(ULY__COPY_THREADS) uly__box_copy(const uly__bo
         const int64_t e = p.e * W, h = h_first + p.r, s = p.s, b = p.b;
         V *tp = (V *)(t + b * x.sb + s * x.ss + h * x.sh + e);
         V *bp = (V *)(blk + ((b * nt + s) * nh + h) * x.dim + e);
-        if (!x.unpack) {
+        if constexpr (MODE == ULY__PACK) {
             *bp = *tp;
-            continue;
+        } else if constexpr (MODE == ULY__UNPACK) {
+            *tp = *bp;
+        } else {
+            int k = j + 1; /* the later boxes that hold this head too */
+            while (k < x.n && x.start[k] <= h0 + h) k++;
+            if (k == j + 1) *tp = *bp;
+            else uly__sum_copies<T, W>(x, j, k, b, s, h0 + h, e, tp);
         }
-        int k = j + 1; /* the later boxes that hold this head too */
-        while (x.by_heads && k < x.n && x.start[k] <= h0 + h) k++;
-        if (k == j + 1) *tp = *bp;
-        else uly__sum_copies<T, W>(x, j, k, b, s, h0 + h, e, tp);
     }
 }
 
@@ -516,16 +524,15 @@ static uly__boxes uly__boxes_of(const uly_plan *p, uly_xchg x, int unpack, uly_t
     b.batch = t.b, b.dim = t.d;
     b.n = p->desc.sp_size;
     b.by_heads = uly__to_head(x) != unpack;
-    b.unpack = unpack;
     b.width = b.by_heads ? t.s : t.h;
-    int shared = 0;
+    b.shared = 0;
     for (int j = 0; j < b.n; j++) {
         uly_range r = b.by_heads ? uly__xheads(p, x, j) : uly_tokens(p, j);
         b.start[j] = r.start, b.count[j] = r.count;
         b.off[j] = c[unpack ? 3 : 1][j] / p->elem_size;
-        shared |= j > 0 && r.start < b.start[j - 1] + b.count[j - 1];
+        b.shared |= j > 0 && r.start < b.start[j - 1] + b.count[j - 1];
     }
-    b.merge = t.sh == t.d && !shared;
+    b.merge = t.sh == t.d && !b.shared;
     return b;
 }
 
@@ -536,7 +543,15 @@ static int uly__can_vectorize(const uly__boxes &b, int64_t elem) {
     return bits % 16 == 0;
 }
 
-template <typename T> static uly_status uly__launch_boxes(const uly__boxes &b, cudaStream_t s) {
+typedef void (*uly__box_fn)(const uly__boxes);
+template <typename T, int W> static uly__box_fn uly__box_kernel(int mode) {
+    return mode == ULY__PACK     ? uly__box_copy<T, W, ULY__PACK>
+           : mode == ULY__UNPACK ? uly__box_copy<T, W, ULY__UNPACK>
+                                 : uly__box_copy<T, W, ULY__UNPACK_SUM>;
+}
+
+template <typename T>
+static uly_status uly__launch_boxes(const uly__boxes &b, int unpack, cudaStream_t s) {
     const int64_t w = uly__can_vectorize(b, sizeof(T)) ? 16 / sizeof(T) : 1;
     int64_t most = 0; /* accesses in the largest box */
     for (int j = 0; j < b.n; j++) {
@@ -544,8 +559,9 @@ template <typename T> static uly_status uly__launch_boxes(const uly__boxes &b, c
     }
     const int64_t blocks = uly__min((most + ULY__COPY_THREADS - 1) / ULY__COPY_THREADS,
                                     uly__max(1, ULY__COPY_BLOCKS / b.n));
-    void (*kernel)(const uly__boxes) =
-        w > 1 ? uly__box_copy<T, 16 / sizeof(T)> : uly__box_copy<T, 1>;
+    const int mode = !unpack ? ULY__PACK : b.shared ? ULY__UNPACK_SUM : ULY__UNPACK;
+    const uly__box_fn kernel =
+        w > 1 ? uly__box_kernel<T, 16 / sizeof(T)>(mode) : uly__box_kernel<T, 1>(mode);
     ULY_LAUNCH(kernel, dim3((unsigned)blocks, (unsigned)b.n), dim3(ULY__COPY_THREADS), 0, s, b);
     return uly__cuda(cudaGetLastError(), "layout kernel launch");
 }
@@ -571,7 +587,7 @@ static uly_status uly__cuda_xfer(const uly_plan *p, uly_xchg x, int unpack, uly_
                ULY__LL(p->elem_size));
     const uly__boxes b = uly__boxes_of(p, x, unpack, t, buf);
     return uly__by_dtype(t.dtype, [&](auto tag) {
-        return uly__launch_boxes<decltype(tag)>(b, (cudaStream_t)stream);
+        return uly__launch_boxes<decltype(tag)>(b, unpack, (cudaStream_t)stream);
     });
 }
 
