@@ -315,6 +315,18 @@ static __device__ __forceinline__ void uly_cp_async(uint32_t smem_addr, const vo
 #endif
 }
 
+// *p += a, p[1] += b, each atomically: one red.global.add.v2.f32 from sm_90 (half the
+// instructions of two scalar adds), two atomicAdd before it and in the emulator. p is 8-byte
+// aligned and global. Nothing in the kernel reads p back, so no memory clobber.
+static __device__ __forceinline__ void uly_red_add2(float *p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b));
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
 // Closes the group of cp.async issued since the last commit.
 static __device__ __forceinline__ void uly_cp_async_commit() {
 #ifdef ULY_EMU
@@ -1675,12 +1687,12 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     const int iters = (int)(h_end - h_begin) * m_blocks; /* query blocks, head by head */
 
     ULY_DYN_SMEM(unsigned char, smem); /* K, V [BN][D]; 2 x (Q, dO [BM][D]); P, dS [BM][BN];
-                                          2 x (lse * log2(e), Dsum [BM]) */
+                                          2 x (lse, Dsum [BM]) */
     const uint32_t sK = uly_smem_addr(smem), sV = sK + BN * D * 2;
     const uint32_t sQ0 = sV + BN * D * 2, sdO0 = sQ0 + 2 * BM * D * 2, sP = sdO0 + 2 * BM * D * 2;
-    const uint32_t sdS = sP + BM * BN * 2;
+    const uint32_t sdS = sP + BM * BN * 2, sRows = sdS + BM * BN * 2;
     unsigned char *P_tile = smem + (sP - sK), *dS_tile = P_tile + BM * BN * 2;
-    float *rows = (float *)(dS_tile + BM * BN * 2); /* [2][2][BM] */
+    const float *rows = (const float *)(dS_tile + BM * BN * 2); /* [2][2][BM] */
     const int warp = (int)(threadIdx.x / 32);
     const int sm = warp % SW * 32, sn = warp / SW * SN;
     const int kn = warp % KW * 32, kd = warp / KW * KN;
@@ -1691,12 +1703,16 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
                                   p.q.ss, s.sq - m0);
         uly__tile_load<BM, D, NT>(sdO0 + stage * BM * D * 2,
                                   uly__fa_row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss, s.sq - m0);
-        const int r = (int)threadIdx.x; /* one row a thread (BM <= NT) */
+        /* lse and Dsum by cp.async too, one row a thread (BM <= NT): a plain load would stall
+           its warp for the whole memory latency before the next MMA. Rows past the end read
+           nothing; the query lambda below gives them lse = +inf. */
+        const int r = (int)threadIdx.x;
         if (r < BM) {
             const bool ok = m0 + r < s.sq;
-            const int64_t i = uly__fa_lse_index(p, s, h, m0 + r);
-            rows[stage * 2 * BM + r] = ok ? p.lse[i] * ULY__LOG2E : INFINITY;
-            rows[stage * 2 * BM + BM + r] = ok ? p.dsum[i] : 0.f;
+            const int64_t i = uly__fa_lse_index(p, s, h, ok ? m0 + r : m0);
+            const uint32_t at = sRows + (stage * 2 * BM + r) * 4;
+            uly_cp_async<4>(at, p.lse + i, ok ? 4 : 0);
+            uly_cp_async<4>(at + BM * 4, p.dsum + i, ok ? 4 : 0);
         }
     };
 
@@ -1716,7 +1732,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
         const int64_t h_next = wrap ? h + 1 : h;
         const int m_next = wrap ? m_begin : m0 + BM;
         const uint32_t sQ = sQ0 + stage * BM * D * 2, sdO = sdO0 + stage * BM * D * 2;
-        const float *lse2 = rows + stage * 2 * BM, *dsum = lse2 + BM;
+        const float *lse = rows + stage * 2 * BM, *dsum = lse + BM;
         uly_cp_async_wait_all();
         __syncthreads(); /* this stage is in; every warp is done with the other one, P and dS */
         if (it + 1 < iters) load_queries(h_next, m_next, stage ^ 1);
@@ -1733,10 +1749,17 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
         if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
             uly__mask(sc, m0 + sm, n0 + sn,
                       [&](int m, int n) { return n >= s.sk || (p.causal && n > m + diag); });
-        uly__softmax_grad(sc, dp, p.scale_log2, [&](int mt, int, int i) {
-            const int r = sm + 16 * mt + uly__frag_row(i);
-            return make_float2(lse2[r], dsum[r]);
-        });
+        float2 row[2][2]; /* (lse * log2(e), Dsum) of this thread's rows; past the end P = 0 */
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int r = sm + 16 * mt + uly__frag_row(2 * hf);
+                row[mt][hf] = m0 + r < s.sq ? make_float2(lse[r] * ULY__LOG2E, dsum[r])
+                                            : make_float2(INFINITY, 0.f);
+            }
+        uly__softmax_grad(sc, dp, p.scale_log2,
+                          [&](int mt, int, int i) { return row[mt][i >> 1]; });
         uly__frag_store<T, BN>(P_tile, sm, sn, sc);
         uly__frag_store<T, BN>(dS_tile, sm, sn, dp);
         __syncthreads(); /* P and dS are complete */
@@ -1757,10 +1780,9 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
                     const int r = qm + 16 * mt + uly__frag_row(2 * hf);
                     if (m0 + r >= s.sq) continue;
 #pragma unroll
-                    for (int nt = 0; nt < QN / 8; nt++) {
-                        atomicAdd(acc + r * D + 8 * nt, dq[mt][nt][2 * hf]);
-                        atomicAdd(acc + r * D + 8 * nt + 1, dq[mt][nt][2 * hf + 1]);
-                    }
+                    for (int nt = 0; nt < QN / 8; nt++)
+                        uly_red_add2(acc + r * D + 8 * nt, dq[mt][nt][2 * hf],
+                                     dq[mt][nt][2 * hf + 1]);
                 }
         }
         h = h_next, m0 = m_next;
