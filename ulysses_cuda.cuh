@@ -670,12 +670,14 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
     uly__dl_block out[ULY_MAX_SP], in[ULY_MAX_SP];
     uly_status st =
         uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs);
-    for (int j = 0; j < P; j++) {
-        out[j].src = st.code ? NULL : (const char *)send + send_offs[j];
-        out[j].bytes = st.code ? -1 : send_counts[j];
-    }
     const int r = me->host->rank;
     cudaError_t e = cudaEventRecord(me->w->ready[r], s);
+    /* Without its ready event, a peer's copy would not wait for this rank's stream: a rank that
+       has bad counts or no event offers nothing (-1 bytes, which no receiver expects). */
+    for (int j = 0; j < P; j++) {
+        out[j].src = st.code || e ? NULL : (const char *)send + send_offs[j];
+        out[j].bytes = st.code || e ? -1 : send_counts[j];
+    }
     ULY__TRY(uly__dl_trade(me->host, out, in, sizeof *out));
     for (int i = 0; i < P && !st.code; i++) {
         if (in[i].bytes != recv_counts[i])
@@ -686,14 +688,17 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
                                 cudaMemcpyDeviceToDevice, s);
     }
     if (!e) e = cudaEventRecord(me->w->done[r], s);
-    double failed = st.code != 0; /* meet, and learn whether any receiver found a mismatch */
+    /* Meet, and learn whether any rank failed: one whose done event is missing may still be
+       reading its peers' send buffers, so none of them may report success. */
+    double failed = st.code != 0 || e != cudaSuccess;
     uly_status met = me->host->allreduce_sum(me->host->ctx, &failed, 1, NULL);
     for (int i = 0; i < P && !e; i++) e = cudaStreamWaitEvent(s, me->w->done[i], 0);
     ULY__TRY(st);
+    ULY__TRY(uly__cuda(e, "device-local alltoallv"));
     ULY__TRY(met);
-    ULY__CHECK(failed == 0, ULY_ECOMM, "alltoallv: %g rank(s) received counts that do not match "
-               "their senders'", failed);
-    return uly__cuda(e, "device-local alltoallv");
+    ULY__CHECK(failed == 0, ULY_ECOMM, "alltoallv: %g rank(s) failed (counts that do not match "
+               "their senders', or a CUDA error)", failed);
+    return uly__ok();
 }
 
 /* Through the host, a few values at a time: sums are the host comm's, in rank order. */
