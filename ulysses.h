@@ -210,7 +210,8 @@ typedef struct uly_mpi {
     int64_t chunk_bytes;
 } uly_mpi;
 /* Sets MPI_ERRORS_RETURN on m->comm, so MPI failures come back as ULY_ECOMM with MPI's message.
-   out points to m, which must outlive it. */
+   out points to m, which must outlive it. out->device is 0: host buffers (MPI calls do not wait
+   for a CUDA stream, so the GPU layer takes NCCL's communicator instead). */
 ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out);
 /* Splits a world into SP groups of sp_size consecutive ranks and DP groups across them. */
 ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp);
@@ -243,8 +244,15 @@ typedef struct uly_attn_args {
 typedef struct uly_attn {
     uly_status (*fwd)(void *ctx, const uly_attn_args *a);
     uly_status (*bwd)(void *ctx, const uly_attn_args *a);
-    int64_t (*workspace)(void *ctx, const uly_attn_args *a); /* bytes fwd or bwd needs */
+    /* Bytes of workspace: the layer asks once, with the backward's fields set, and passes the
+       same buffer to fwd and bwd, so the answer must cover both. */
+    int64_t (*workspace)(void *ctx, const uly_attn_args *a);
     void *ctx;
+    /* Optional: what fwd (backward = 0) or bwd would refuse in a, without running. The layer
+       asks before it exchanges anything, so a refusal stops every rank at the same point
+       instead of one rank while its peers wait in the next collective. */
+    uly_status (*check)(void *ctx, const uly_attn_args *a, int backward);
+    int device; /* 1: its tensors are GPU memory, 0: host memory */
 } uly_attn;
 
 /* The CPU reference, fp32: plain loops a reader can check against the formulas. */
@@ -266,6 +274,7 @@ typedef struct uly_layout {
     uly_status (*unpack)(void *ctx, const uly_plan *p, uly_xchg x, const void *recv,
                          uly_tensor dst, void *stream);
     void *ctx;
+    int device; /* 1: its tensors and buffers are GPU memory, 0: host memory */
 } uly_layout;
 
 /* The CPU reference: plain copy loops, any dtype. The DKV unpack sums the gradient copies of a
@@ -1288,6 +1297,7 @@ ULYDEF uly_layout uly_cpu_layout(void) {
     l.pack = uly__cpu_pack;
     l.unpack = uly__cpu_unpack;
     l.ctx = NULL;
+    l.device = 0;
     return l;
 }
 
@@ -1377,7 +1387,8 @@ static int64_t uly__cpu_workspace(void *ctx, const uly_attn_args *a) {
     return uly__scratch_at(a, NULL, &s);
 }
 
-static uly_status uly__cpu_check(const uly_attn_args *a, int backward) {
+static uly_status uly__cpu_check(void *ctx, const uly_attn_args *a, int backward) {
+    (void)ctx;
     ULY__TRY(uly_attn_check(a, backward));
     ULY__CHECK(a->q.dtype == ULY_F32, ULY_EUNSUPPORTED,
                "dtype %s: the CPU attention computes in f32 only", uly__dtype_name(a->q.dtype));
@@ -1517,8 +1528,7 @@ static void uly__bwd_tile(const uly__tile *t) {
 
 static uly_status uly__cpu_fwd(void *ctx, const uly_attn_args *a) {
     uly__scratch s;
-    (void)ctx;
-    ULY__TRY(uly__cpu_check(a, 0));
+    ULY__TRY(uly__cpu_check(ctx, a, 0));
     uly__scratch_at(a, a->workspace, &s);
     for (int64_t b = 0; b < a->q.b; b++)
         for (int64_t kh = 0; kh < a->k.h; kh++) {
@@ -1538,8 +1548,7 @@ static uly_status uly__cpu_fwd(void *ctx, const uly_attn_args *a) {
    share (summed over the rows in fp32). */
 static uly_status uly__cpu_bwd(void *ctx, const uly_attn_args *a) {
     uly__scratch s;
-    (void)ctx;
-    ULY__TRY(uly__cpu_check(a, 1));
+    ULY__TRY(uly__cpu_check(ctx, a, 1));
     uly__scratch_at(a, a->workspace, &s);
     const int64_t D = a->q.d, Sk = a->k.s;
     uly_tensor group_k = uly_dense(s.gk, ULY_F32, 1, Sk, 1, D);
@@ -1571,6 +1580,8 @@ ULYDEF uly_attn uly_cpu_attention(void) {
     at.bwd = uly__cpu_bwd;
     at.workspace = uly__cpu_workspace;
     at.ctx = NULL;
+    at.check = uly__cpu_check;
+    at.device = 0;
     return at;
 }
 
@@ -1638,6 +1649,10 @@ static uly_status uly__check_layer(const uly_layer *l, int backward, const void 
                "layer.attn.%s is NULL", backward ? "bwd" : "fwd");
     ULY__CHECK(l->layout.pack && l->layout.unpack, ULY_EINVAL, "layer.layout.%s is NULL",
                l->layout.pack ? "unpack" : "pack");
+    ULY__CHECK(l->layout.device == c->device && l->attn.device == c->device, ULY_EINVAL,
+               "layer: comm->device (%d), layout.device (%d) and attn.device (%d) differ: the "
+               "three must all work on host memory (0) or all on GPU memory (1)", c->device,
+               l->layout.device, l->attn.device);
     int64_t need = uly__layer_bytes(l);
     ULY__CHECK(need >= 0, ULY_EOVERFLOW,
                "layer workspace: its size overflows int64, or layer.attn.workspace failed");
@@ -1711,7 +1726,7 @@ static uly_status uly__begin(const uly_layer *l, int backward, void *saved,
     uly__work_at(p, l->workspace, &s->w);
     s->a = uly__args(l, &s->h, uly_saved_lse(p, saved), backward ? &s->w.grad : NULL,
                      s->w.attn);
-    return uly__ok();
+    return l->attn.check ? l->attn.check(l->attn.ctx, &s->a, backward) : uly__ok();
 }
 
 ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,

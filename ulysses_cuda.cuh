@@ -620,6 +620,7 @@ ULYDEF uly_layout uly_cuda_layout(void) {
     l.pack = uly__cuda_pack;
     l.unpack = uly__cuda_unpack;
     l.ctx = NULL;
+    l.device = 1;
     return l;
 }
 
@@ -937,12 +938,15 @@ static uly_status uly__ref_bwd_call(void *ctx, const uly_attn_args *a) {
     });
 }
 
+static uly_status uly__ref_check(void *ctx, const uly_attn_args *a, int backward) {
+    uly__ref_params p;
+    (void)ctx;
+    return uly__ref_params_of(a, backward, &p);
+}
+
 ULYDEF uly_attn uly_cuda_reference_attention(void) {
-    uly_attn a;
-    a.fwd = uly__ref_fwd_call;
-    a.bwd = uly__ref_bwd_call;
-    a.workspace = uly__ref_workspace;
-    a.ctx = NULL;
+    uly_attn a = {uly__ref_fwd_call, uly__ref_bwd_call, uly__ref_workspace, NULL, uly__ref_check,
+                  1};
     return a;
 }
 
@@ -2049,9 +2053,14 @@ static uly_status uly__fa_bwd(void *ctx, const uly_attn_args *a) {
     (void)ctx;
     return uly__fa_run(a, NULL, 1);
 }
+static uly_status uly__fa_check(void *ctx, const uly_attn_args *a, int backward) {
+    uly__fa_params p;
+    (void)ctx;
+    return uly__fa_setup(a, NULL, backward, &p);
+}
 
 ULYDEF uly_attn uly_flash_attention(void) {
-    uly_attn at = {uly__fa_fwd, uly__fa_bwd, uly__fa_workspace, NULL};
+    uly_attn at = {uly__fa_fwd, uly__fa_bwd, uly__fa_workspace, NULL, uly__fa_check, 1};
     return at;
 }
 
@@ -2202,28 +2211,34 @@ static uly__lt_ws uly__lt_carve(const uly_attn_args *a) {
     return r;
 }
 
-/* Forward (backward = 0) or backward of every (batch, kv head): its group's query heads
-   [h0, h1) are one batched GEMM each (K and V have batch stride 0). */
-template <typename T>
-static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int backward) {
+/* The contract, and what the GEMMs and the Dsum pre-pass (the flash one) add to it. */
+static uly_status uly__lt_check(void *ctx, const uly_attn_args *a, int backward) {
+    (void)ctx;
     ULY__TRY(uly_attn_check(a, backward));
     ULY__CHECK(a->q.dtype == ULY_BF16 || a->q.dtype == ULY_F16, ULY_EUNSUPPORTED,
                "dtype %s: the cuBLASLt attention takes bf16 or fp16", uly__dtype_name(a->q.dtype));
     ULY__CHECK(a->q.d <= 256 && a->q.d % 8 == 0, ULY_EUNSUPPORTED,
                "q.d (%lld): the cuBLASLt attention takes D <= 256, D %% 8 == 0", ULY__LL(a->q.d));
     ULY__CHECK(a->workspace, ULY_EINVAL, "workspace is NULL (workspace() gives its bytes)");
+    if (backward) {
+        ULY__TRY(uly__fa_rows16(a->o, "o"));
+        ULY__TRY(uly__fa_rows16(a->dout, "dout"));
+    }
+    return uly__ok();
+}
+
+/* Forward (backward = 0) or backward of every (batch, kv head): its group's query heads
+   [h0, h1) are one batched GEMM each (K and V have batch stride 0). */
+template <typename T>
+static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int backward) {
+    ULY__TRY(uly__lt_check(h, a, backward));
     const cudaDataType_t dt = a->q.dtype == ULY_BF16 ? CUDA_R_16BF : CUDA_R_16F;
     const int64_t B = a->q.b, H = a->q.h, Sq = a->q.s, Sk = a->k.s, D = a->q.d;
     const int64_t g = a->kv_group ? a->kv_group : H / a->k.h, g0 = a->q_head0 / g;
     const float scale = a->softmax_scale != 0.f ? a->softmax_scale : 1.f / sqrtf((float)D);
     cudaStream_t stream = (cudaStream_t)a->stream;
     const uly__lt_ws w = uly__lt_carve(a);
-    ULY__CHECK(Sq > 0 && Sk > 0, ULY_EUNSUPPORTED,
-               "q.s (%lld), k.s (%lld): the cuBLASLt attention needs rows and keys", ULY__LL(Sq),
-               ULY__LL(Sk));
     if (backward) { /* Dsum by the flash pre-pass */
-        ULY__TRY(uly__fa_rows16(a->o, "o"));
-        ULY__TRY(uly__fa_rows16(a->dout, "dout"));
         uly__fa_params p;
         memset(&p, 0, sizeof p);
         p.o = a->o, p.dout = a->dout, p.q = a->q, p.dsum = w.dsum, p.lse_sb = H * Sq, p.lse_sh = Sq;
@@ -2307,7 +2322,7 @@ static uly_status uly__lt_bwd(void *ctx, const uly_attn_args *a) {
 }
 
 ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle) {
-    uly_attn at = {uly__lt_fwd, uly__lt_bwd, uly__lt_workspace, (void *)handle};
+    uly_attn at = {uly__lt_fwd, uly__lt_bwd, uly__lt_workspace, (void *)handle, uly__lt_check, 1};
     return at;
 }
 

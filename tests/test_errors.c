@@ -266,6 +266,17 @@ static uly_status f_ws_small(fixture *f) { f->L.workspace_bytes -= 1; return fwd
 static uly_status f_attn_null(fixture *f) { f->L.attn.fwd = NULL; return fwd(f); }
 static uly_status f_layout_null(fixture *f) { f->L.layout.pack = NULL; return fwd(f); }
 static uly_status f_saved_null(fixture *f) { f->saved = NULL; return fwd(f); }
+static uly_status f_layout_device(fixture *f) { f->L.layout.device = 1; return fwd(f); }
+static uly_status f_attn_device(fixture *f) { f->L.attn.device = 1; return fwd(f); }
+/* A bf16 plan and tensors the layer takes, but the CPU attention computes in f32 only. */
+static uly_status f_attn_refuses(fixture *f) {
+    uly_plan_desc d = f->plan.desc;
+    d.dtype = ULY_BF16;
+    uly_status st = uly_plan_init(&f->plan, &d);
+    CHECK(st.code == ULY_OK, "bf16 plan: %s", st.msg);
+    f->tq.dtype = f->tk.dtype = f->tv.dtype = f->to.dtype = ULY_BF16;
+    return fwd(f);
+}
 static uly_status b_dout_null(fixture *f) { f->tdo.data = NULL; return bwd(f); }
 static uly_status b_dq_tokens(fixture *f) { f->tdq.s = FSR - 1; return bwd(f); }
 static uly_status b_dk_heads(fixture *f) { f->tdk.h = FHKV + 1; return bwd(f); }
@@ -274,6 +285,11 @@ static uly_status b_attn_null(fixture *f) { f->L.attn.bwd = NULL; return bwd(f);
 static uly_status b_ws_small(fixture *f) { f->L.workspace_bytes = 8; return bwd(f); }
 static uly_status b_saved_null(fixture *f) { f->saved = NULL; return bwd(f); }
 static uly_status b_comm_size(fixture *f) { f->comm.size = 1; return bwd(f); }
+static uly_status refuse(void *ctx, const uly_attn_args *a, int backward) {
+    (void)ctx, (void)a;
+    return uly__err(ULY_EUNSUPPORTED, "refused by the attention's check (backward %d)", backward);
+}
+static uly_status b_attn_refuses(fixture *f) { f->L.attn.check = refuse; return bwd(f); }
 
 typedef struct layer_bad {
     const char *what;
@@ -303,6 +319,9 @@ static const layer_bad layer_table[] = {
     {"forward: attn.fwd NULL", f_attn_null, ULY_EINVAL, "attn.fwd"},
     {"forward: layout.pack NULL", f_layout_null, ULY_EINVAL, "layout.pack"},
     {"forward: saved NULL", f_saved_null, ULY_EINVAL, "saved"},
+    {"forward: layout on GPU memory, comm on host", f_layout_device, ULY_EINVAL, "device"},
+    {"forward: attention on GPU memory, comm on host", f_attn_device, ULY_EINVAL, "device"},
+    {"forward: bf16 into the f32-only CPU attention", f_attn_refuses, ULY_EUNSUPPORTED, "f32"},
     {"backward: dout data NULL", b_dout_null, ULY_EINVAL, "dout:"},
     {"backward: dq has S_r - 1 tokens", b_dq_tokens, ULY_EINVAL, "dq:"},
     {"backward: dk has Hkv + 1 heads", b_dk_heads, ULY_EINVAL, "dk:"},
@@ -311,6 +330,7 @@ static const layer_bad layer_table[] = {
     {"backward: workspace of 8 bytes", b_ws_small, ULY_EINVAL, "workspace"},
     {"backward: saved NULL", b_saved_null, ULY_EINVAL, "saved"},
     {"backward: comm size 1, sp_size 2", b_comm_size, ULY_EINVAL, "comm"},
+    {"backward: the attention's check refuses", b_attn_refuses, ULY_EUNSUPPORTED, "backward 1"},
 };
 
 TEST(forward_and_backward_reject_each_invalid_argument_before_any_exchange) {
