@@ -347,7 +347,10 @@ ULYDEF uly_status uly_loss_reduce(const uly_comm *c, double loss_sum, int64_t co
 /* =============================================================================================
    Implementation */
 
-#ifdef ULYSSES_IMPLEMENTATION
+/* Guarded of its own, so a file may include the header again after the implementation (as
+   ulysses_cuda.cuh does). */
+#if defined(ULYSSES_IMPLEMENTATION) && !defined(ULYSSES_IMPLEMENTED)
+#define ULYSSES_IMPLEMENTED
 
 #include <limits.h>
 #include <math.h>
@@ -1846,7 +1849,7 @@ ULYDEF uly_status uly_loss_reduce(const uly_comm *c, double loss_sum, int64_t co
 #ifdef __GNUC__
 #pragma GCC diagnostic pop
 #endif
-#endif /* ULYSSES_IMPLEMENTATION */
+#endif /* ULYSSES_IMPLEMENTATION && !ULYSSES_IMPLEMENTED */
 
 /* ---------------------------------------------------------------------------------------------
    MIT License. Copyright (c) 2026 The ulysses authors. Permission is hereby granted, free of

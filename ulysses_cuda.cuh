@@ -361,7 +361,8 @@ static __device__ __forceinline__ void uly_cp_async_wait_all() {
 /* ---------------------------------------------------------------------------------------------
    Implementation */
 
-#ifdef ULYSSES_IMPLEMENTATION
+#if defined(ULYSSES_IMPLEMENTATION) && !defined(ULYSSES_CUDA_IMPLEMENTED)
+#define ULYSSES_CUDA_IMPLEMENTED
 
 /* Element conversions: values travel as T, sums happen in fp32 and round once. */
 static __device__ __forceinline__ float uly__widen(float x) { return x; }
@@ -2342,7 +2343,7 @@ ULYDEF uly_layer uly_cuda_layer(const uly_plan *plan, const uly_comm *comm, void
     return l;
 }
 
-#endif /* ULYSSES_IMPLEMENTATION */
+#endif /* ULYSSES_IMPLEMENTATION && !ULYSSES_CUDA_IMPLEMENTED */
 
 /* ---------------------------------------------------------------------------------------------
    MIT License. Copyright (c) 2026 The ulysses authors. Permission is hereby granted, free of

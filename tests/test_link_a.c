@@ -1,8 +1,9 @@
 /* test_link_a.c - with test_link_b.c: two translation units include ulysses.h, this one with
-   the implementation, the other for declarations only, and they link into one program (no
-   duplicate or missing symbols). test_link_b.c is also built as C++ to check extern "C". */
+   the implementation (twice), the other for declarations only, and they link into one program
+   (no duplicate or missing symbols). test_link_b.c is also built as C++ to check extern "C". */
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses.h"
+#include "../ulysses.h" /* again, as a file that also includes ulysses_cuda.cuh does */
 #include "check.h"
 
 int64_t link_b_tokens(int sp_rank); /* in test_link_b.c: uly_tokens count of a fixed plan */
