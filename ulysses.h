@@ -54,6 +54,10 @@
        Every function that can fail returns uly_status: code 0 (ULY_OK) or an error code, and a
        message that names the field and the rule, e.g.
        "sp_size (8) > n_heads (4): every rank needs at least one query head".
+       The size queries (uly_layer_workspace, uly_saved_bytes, uly_send_bytes, ...) return 0,
+       and the view helpers (uly_saved_lse, uly_head_slice) NULL data, for what they cannot
+       size; the call that takes the result then says why. uly_local_run reports only its own
+       failures (starting threads); each rank's results are the rank function's to keep.
        Nothing aborts or exits; sizes that overflow int64, or byte counts a communicator cannot
        carry, are errors and never truncated.
 
@@ -66,9 +70,17 @@
 
    Nothing here allocates: buffers come from the caller, sized by the *_bytes queries. There is
    no global state; every call is reentrant. On the GPU every call is ordered on the caller's
-   stream. */
+   stream.
+
+   VERSIONS (ULYSSES_VERSION is major * 10000 + minor * 100 + patch; ulysses_cuda.cuh goes with
+   the ulysses.h of the same version)
+       0.1.0  2026-11  the plan, layouts and CPU reference layer; local and MPI communicators;
+                       the loss. ulysses_cuda.cuh: layout kernels, NCCL and device-local
+                       communicators, flash attention forward and backward, cuBLASLt attention */
 #ifndef ULYSSES_H
 #define ULYSSES_H
+
+#define ULYSSES_VERSION 100 /* 0.1.0 */
 
 #include <stddef.h>
 #include <stdint.h>
@@ -200,9 +212,9 @@ ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void 
 #endif
 
 #ifdef ULYSSES_MPI
-/* The MPI communicator over `comm` (an SP group). Byte counts above INT_MAX are moved in
-   messages of at most chunk_bytes (0 = INT_MAX), since MPI counts are int; every rank of comm
-   must use the same chunk_bytes. Those messages are point-to-point on comm (tag 0x756c): give
+/* The MPI communicator over `comm` (an SP group). A peer's byte count above chunk_bytes
+   (0 = INT_MAX, as MPI counts are int) is moved in messages of at most chunk_bytes; every rank
+   of comm must use the same chunk_bytes. Those messages are point-to-point on comm (tag 0x756c): give
    the library a communicator of its own (MPI_Comm_dup) if the program receives on comm with
    MPI_ANY_TAG while the layer runs. */
 typedef struct uly_mpi {
@@ -473,6 +485,11 @@ ULYDEF uly_status uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, in
                                 uly_tensor *v) {
     uly_tensor all = uly_dense(qkv, t, b, s, uly__add(nq, uly__mul(2, nkv)), d);
     ULY__CHECK(q && k && v, ULY_EINVAL, "uly_qkv_views: %s is NULL", !q ? "q" : !k ? "k" : "v");
+    ULY__CHECK(b > 0 && s > 0 && d > 0 && nq >= 0 && nkv >= 0, ULY_EINVAL, "uly_qkv_views: b "
+               "(%lld), s (%lld), d (%lld) must be > 0 and nq (%lld), nkv (%lld) >= 0",
+               ULY__LL(b), ULY__LL(s), ULY__LL(d), ULY__LL(nq), ULY__LL(nkv));
+    ULY__CHECK(all.sb >= 0, ULY_EOVERFLOW, "uly_qkv_views: [%lld, %lld, %lld + 2 * %lld, %lld] "
+               "overflows int64", ULY__LL(b), ULY__LL(s), ULY__LL(nq), ULY__LL(nkv), ULY__LL(d));
     *q = uly_head_slice(all, 0, nq);
     *k = uly_head_slice(all, nq, nkv);
     *v = uly_head_slice(all, uly__add(nq, nkv), nkv);
@@ -491,6 +508,9 @@ static uly_status uly__check_view(const char *name, uly_tensor t) {
     ULY__CHECK(t.b > 0 && t.s > 0 && t.h > 0 && t.d > 0, ULY_EINVAL,
                "%s: shape [%lld, %lld, %lld, %lld] must be positive", name, ULY__LL(t.b),
                ULY__LL(t.s), ULY__LL(t.h), ULY__LL(t.d));
+    ULY__CHECK(t.sb != -1 && t.ss != -1 && t.sh != -1, ULY_EOVERFLOW, "%s: a stride is -1, "
+               "uly_dense's mark of a shape [%lld, %lld, %lld, %lld] that overflows int64", name,
+               ULY__LL(t.b), ULY__LL(t.s), ULY__LL(t.h), ULY__LL(t.d));
     ULY__CHECK(t.sb >= 0 && t.ss >= 0 && t.sh >= 0, ULY_EINVAL,
                "%s: strides (sb %lld, ss %lld, sh %lld) must be >= 0", name, ULY__LL(t.sb),
                ULY__LL(t.ss), ULY__LL(t.sh));
@@ -894,8 +914,9 @@ static uly_status uly__local_alltoallv(void *ctx, const void *send, const int64_
                               "expects %lld", i, ULY__LL(w->slot[i].send_counts[j]), j,
                               ULY__LL(w->slot[j].recv_counts[i]));
     for (int i = 0; i < P && !st.code; i++)
-        memcpy((char *)recv + recv_offs[i], w->slot[i].send + w->slot[i].send_offs[r],
-               (size_t)recv_counts[i]);
+        if (recv_counts[i]) /* an empty block may have NULL buffers, which memcpy may not take */
+            memcpy((char *)recv + recv_offs[i], w->slot[i].send + w->slot[i].send_offs[r],
+                   (size_t)recv_counts[i]);
     uly_status done = uly__sync(w);
     return st.code ? st : done;
 }
@@ -1028,10 +1049,10 @@ static uly_status uly__mpi_chunked(MPI_Comm comm, int P, int64_t chunk, const ch
    matches bytes, not types), so no offset is out of reach and no rank needs to ask its peers. */
 static uly_status uly__mpi_block(int64_t n, int64_t off, int64_t chunk, MPI_Datatype *type,
                                  int *count, int *at) {
-    int len = (int)n;
     MPI_Aint far = (MPI_Aint)off;
     *type = MPI_BYTE, *count = 0, *at = 0;
     if (!n || n > chunk) return uly__ok();
+    int len = (int)n; /* chunk <= INT_MAX */
     if (off <= INT_MAX) {
         *count = len, *at = (int)off;
         return uly__ok();

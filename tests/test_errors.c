@@ -166,6 +166,26 @@ TEST(qkv_views_reject_a_null_output) {
                  "v NULL");
 }
 
+TEST(a_view_whose_shape_overflows_int64_is_eoverflow) {
+    float buf[64];
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = a.o = uly_dense(buf, ULY_F32, 1, (int64_t)1 << 40, (int64_t)1 << 20, 1 << 10);
+    a.k = a.v = uly_dense(buf, ULY_F32, 1, 4, 1, 8);
+    a.lse = buf;
+    check_status(uly_attn_check(&a, 0), ULY_EOVERFLOW, "overflows int64", "q of 2^70 elements");
+}
+
+TEST(qkv_views_reject_negative_counts_and_shapes_that_overflow_int64) {
+    float buf[6 * 4];
+    uly_tensor q, k, v;
+    check_status(uly_qkv_views(buf, ULY_F32, 1, 1, -1, 1, 4, &q, &k, &v), ULY_EINVAL, "nq",
+                 "nq -1");
+    check_status(uly_qkv_views(buf, ULY_F32, 1, (int64_t)1 << 40, (int64_t)1 << 20, 1, 1 << 10,
+                               &q, &k, &v),
+                 ULY_EOVERFLOW, "overflows", "2^40 tokens x 2^20 heads x 2^10");
+}
+
 /* ---------------------------------------------------------------------------------------------
    uly_forward and uly_backward
 
