@@ -253,6 +253,12 @@ $(BUILD)/asan/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(
                          $(BUILD)/asan/emu/nccl_emu.o
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+# The same tests as NCCL before 2.28 runs them: no ncclAlltoAll, every exchange send/recv.
+$(BUILD)/test_nccl_sendrecv: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_OBJ) \
+                             $(BUILD)/emu/nccl_emu.o
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -DULY_NCCL_ALLTOALL=0 -x c++ $< -x none \
+	    $(filter %.o,$^) -o $@ $(LDLIBS)
 
 # The flash layer in each dQ mode once (bf16 atomic, f16 deterministic): the other two differ
 # from these in the element type only.
@@ -271,8 +277,8 @@ else
 TESTS     += 'skip:NCCL example build (needs nvcc, $(MPICC) and nccl.h)'
 endif
 ifeq ($(HAVE_NCCL),1)
-TESTS     += $(BUILD)/test_nccl $(BUILD)/asan/test_nccl
-TEST_BINS += $(BUILD)/test_nccl $(BUILD)/asan/test_nccl
+TESTS     += $(BUILD)/test_nccl $(BUILD)/test_nccl_sendrecv $(BUILD)/asan/test_nccl
+TEST_BINS += $(BUILD)/test_nccl $(BUILD)/test_nccl_sendrecv $(BUILD)/asan/test_nccl
 else
 TESTS     += 'skip:test_nccl (no nccl.h in $(CUDA_HOME)/include or /usr/include)'
 endif

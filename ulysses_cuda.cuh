@@ -80,6 +80,8 @@
 
    OPTIONS (define before including)
        ULYSSES_NCCL       the NCCL communicator (include <nccl.h> first; link -lnccl)
+       ULY_NCCL_ALLTOALL  1 (the default from NCCL 2.28): alltoall is ncclAlltoAll; 0: the layer
+                          sends every exchange through ncclSend/ncclRecv, as before 2.28
        ULYSSES_CUBLASLT   the cuBLASLt attention (include <cublasLt.h> first; link -lcublasLt)
    Needs CUDA 12.1 or newer (the layout kernel takes its per-peer tables as a large parameter).
 
@@ -123,10 +125,12 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
    only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier go through `scratch`,
    ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL: they return
    ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most timeout_s
-   seconds (0: no limit). Failures return ULY_ECOMM with NCCL's message. After an asynchronous
-   one (a peer or the network failed) or a timeout the communicator is unusable: the caller,
-   who owns it, must ncclCommAbort it (which also lets a stuck stream drain). Nothing here
-   aborts or destroys a communicator. */
+   seconds (0: no limit). Failures return ULY_ECOMM with NCCL's message. After any failure
+   (a call NCCL refused, a peer or the network gone) or a timeout the communicator is unusable
+   and its peers may be stuck in the collective: the caller, who owns it, must ncclCommAbort it
+   (which also lets a stuck stream drain). Nothing here aborts or destroys a communicator.
+   comm must be blocking (NCCL's default config): a non-blocking one's ncclInProgress is taken
+   for a failure. */
 enum { ULY_NCCL_SCRATCH = 64 };
 typedef struct uly_nccl {
     ncclComm_t comm;
@@ -135,7 +139,9 @@ typedef struct uly_nccl {
 } uly_nccl;
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
 /* Splits world into SP groups of sp_size consecutive ranks and DP groups across them (a
-   collective over world). On failure neither is left behind. */
+   collective over world). On failure *sp and *dp hold what was made (NULL for the rest): the
+   caller aborts them with world, since peers may still be inside the failed split, where a
+   destroy here could wait for them forever. */
 ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, ncclComm_t *dp);
 /* Waits until the work queued on stream is done, polling NCCL for an asynchronous error (a
    peer that died, a network failure). On such an error, or after timeout_s seconds (0: no
@@ -957,6 +963,10 @@ ULYDEF uly_attn uly_cuda_reference_attention(void) {
 #ifdef ULYSSES_NCCL
 #include <time.h>
 
+#ifndef ULY_NCCL_ALLTOALL
+#define ULY_NCCL_ALLTOALL (NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0))
+#endif
+
 static uly_status uly__nccl(ncclResult_t r, ncclComm_t comm, const char *what) {
     const char *last = comm ? ncclGetLastError(comm) : "";
     ULY__CHECK(r == ncclSuccess, ULY_ECOMM, "%s: %s%s%s", what, ncclGetErrorString(r),
@@ -1001,7 +1011,7 @@ static uly_status uly__nccl_alltoallv(void *ctx, const void *send, const int64_t
     return uly__nccl_async(n->comm, "alltoallv");
 }
 
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#if ULY_NCCL_ALLTOALL
 static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, int64_t bytes,
                                      void *stream) {
     uly_nccl *n = (uly_nccl *)ctx;
@@ -1058,8 +1068,8 @@ static uly_status uly__nccl_barrier(void *ctx) {
     uly_nccl *n = (uly_nccl *)ctx;
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "barrier: uly_nccl.scratch is NULL (it needs %d "
                "doubles of device memory)", (int)ULY_NCCL_SCRATCH);
-    ULY__TRY(uly__nccl_sum(n, n->scratch, 1, 0));
-    return uly_nccl_wait(n->comm, 0, n->timeout_s);
+    ULY__TRY(uly__nccl_sum(n, n->scratch, 1, cudaStreamPerThread));
+    return uly_nccl_wait(n->comm, cudaStreamPerThread, n->timeout_s);
 }
 
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
@@ -1069,8 +1079,8 @@ ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
     ULY__TRY(uly__nccl(ncclCommCount(n->comm, &out->size), n->comm, "ncclCommCount"));
     ULY__TRY(uly__nccl(ncclCommUserRank(n->comm, &out->rank), n->comm, "ncclCommUserRank"));
     out->alltoallv = uly__nccl_alltoallv;
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
-    out->alltoall = uly__nccl_alltoall; /* before 2.28, none: the layer uses alltoallv */
+#if ULY_NCCL_ALLTOALL
+    out->alltoall = uly__nccl_alltoall; /* else none: the layer uses alltoallv */
 #endif
     out->allreduce_sum = uly__nccl_allreduce;
     out->barrier = uly__nccl_barrier;
@@ -1090,13 +1100,8 @@ ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, 
                "divide the world's size (%d)", sp_size, size);
     ULY__TRY(uly__nccl(ncclCommSplit(world, rank / sp_size, rank % sp_size, sp, NULL), world,
                        "uly_nccl_split: ncclCommSplit (SP)"));
-    const uly_status st = uly__nccl(ncclCommSplit(world, rank % sp_size, rank / sp_size, dp, NULL),
-                                    world, "uly_nccl_split: ncclCommSplit (DP)");
-    if (st.code) { /* all or nothing */
-        ncclCommDestroy(*sp);
-        *sp = NULL;
-    }
-    return st;
+    return uly__nccl(ncclCommSplit(world, rank % sp_size, rank / sp_size, dp, NULL), world,
+                     "uly_nccl_split: ncclCommSplit (DP)");
 }
 
 ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s) {

@@ -26,7 +26,7 @@
      string and last error; an asynchronous error fails the next call, and uly_nccl_wait reports
      it (on a stalled stream and on a finished one); so does a stream not done within the
      timeout; neither aborts the caller's communicator, and the message says to; a failed DP
-     split leaves no SP communicator behind; NULL arguments are ULY_EINVAL.
+     split returns what it made and destroys nothing; NULL arguments are ULY_EINVAL.
 
    Emulator only: NCCL refuses two ranks on one GPU, so this cannot run on a single real GPU.
    The NCCL code on GPUs is make test-gpu's MPI run of examples/sp_attention_nccl.cu. */
@@ -155,7 +155,8 @@ static int kv_even(const sp_case *c) {
 /* check_layer over NCCL, and the path: with S and H divisible by P and as many kv heads on every
    rank, every block of every exchange has one size, so alltoall's ncclAlltoAll and no
    ncclSend; with S uneven the ranks' blocks differ in every exchange, so alltoallv's
-   ncclSend/ncclRecv only. */
+   ncclSend/ncclRecv only; and only those where ULY_NCCL_ALLTOALL is 0 (make test builds this
+   file both ways). */
 static void check_nccl_layer(const sp_case *c, uly_dtype t) {
     const unsigned long long a0 = calls("ncclAlltoAll"), s0 = calls("ncclSend");
     const unsigned long long r0 = calls("ncclRecv");
@@ -163,10 +164,10 @@ static void check_nccl_layer(const sp_case *c, uly_dtype t) {
     const unsigned long long a = calls("ncclAlltoAll") - a0, s = calls("ncclSend") - s0;
     const unsigned long long r = calls("ncclRecv") - r0;
     const int even = c->S % c->P == 0 && c->H % c->P == 0 && kv_even(c);
-    const int uneven = c->S % c->P != 0;
-    CHECK(even ? a > 0 && s == 0 && r == 0 : uneven && a == 0 && s > 0 && r == s,
+    const int uneven = c->S % c->P != 0, a2a = ULY_NCCL_ALLTOALL && even;
+    CHECK(a2a ? a > 0 && s == 0 && r == 0 : (even || uneven) && a == 0 && s > 0 && r == s,
           SP_CASE_FMT ": %llu ncclAlltoAll, %llu ncclSend, %llu ncclRecv calls; want %s",
-          SP_CASE_ARGS(c), a, s, r, even ? "ncclAlltoAll only" : "ncclSend/ncclRecv only");
+          SP_CASE_ARGS(c), a, s, r, a2a ? "ncclAlltoAll only" : "ncclSend/ncclRecv only");
 }
 
 TEST(layer_over_nccl_f32_matches_unsharded_and_cpu) {
@@ -306,6 +307,7 @@ TEST(a_failing_ncclGroupEnd_is_ecomm_on_both_ranks) {
                     "rank 1 receives 3 bytes from rank 0, which sends 2");
 }
 
+#if ULY_NCCL_ALLTOALL
 /* alltoall: rank i sends 5 bytes to each rank j, block j of its buffer. */
 static uly_status exchange_uniform(const uly_comm *c, int64_t *wrong) {
     const int P = c->size, r = c->rank;
@@ -345,6 +347,18 @@ TEST(alltoall_goes_through_ncclAlltoAll) {
               a, s, P);
     }
 }
+#else
+static void comm_main(const uly_comm *c, void *user) { *(uly_comm *)user = *c; }
+
+TEST(without_ncclAlltoAll_the_communicator_has_no_alltoall) {
+    uly_comm c;
+    memset(&c, 0xff, sizeof c);
+    uly_status st = nccl_run(1, comm_main, &c);
+    CHECK(!st.code, "%s", st.msg);
+    CHECK(c.alltoallv && !c.alltoall, "alltoallv %p, alltoall %p; want set, NULL",
+          (void *)c.alltoallv, (void *)c.alltoall);
+}
+#endif
 
 /* ---------------------------------------------------------------------------------------------
    allreduce_sum and barrier */
@@ -551,8 +565,9 @@ TEST(split_rejects_an_sp_size_that_does_not_divide_the_world) {
     CHECK(calls("ncclCommSplit") == s0, "ncclCommSplit was called");
 }
 
-/* The DP split fails on every rank (the SP one went through): the SP communicator is destroyed
-   and NULL, so a caller that gives up leaks nothing. */
+/* The DP split fails on every rank (the SP one went through): the error comes back with the SP
+   communicator in *sp and *dp NULL, for the caller to abort; the library destroys nothing,
+   since destroying is itself a collective that a peer stuck in the split would never join. */
 static void split_fail_main(const uly_comm *c, void *user) {
     split_job *j = (split_job *)user;
     ncclComm_t sp = NULL, dp = NULL;
@@ -560,22 +575,25 @@ static void split_fail_main(const uly_comm *c, void *user) {
     uly_emu_nccl_fail(nccl_of(c), "ncclCommSplit", ncclInternalError, kFaultMsg);
     j->st[c->rank] = uly_nccl_split(nccl_of(c), 2, &sp, &dp);
     j->size[c->rank][0] = sp != NULL, j->size[c->rank][1] = dp != NULL;
+    if (sp) ncclCommAbort(sp);
 }
 
-TEST(split_that_fails_leaves_no_communicator) {
+TEST(split_that_fails_returns_what_it_made_and_destroys_nothing) {
     split_job j;
     memset(&j, 0, sizeof j);
-    const unsigned long long d0 = calls("ncclCommDestroy");
+    const unsigned long long d0 = calls("ncclCommDestroy"), a0 = calls("ncclCommAbort");
     uly_status st = nccl_run(4, split_fail_main, &j);
     CHECK(!st.code, "%s", st.msg);
     for (int r = 0; r < 4; r++) {
         check_ecomm(j.st[r], r, "ncclCommSplit (DP)", ncclInternalError, kFaultMsg);
-        CHECK(!j.size[r][0] && !j.size[r][1], "rank %d: sp %s, dp %s", r,
+        CHECK(j.size[r][0] && !j.size[r][1], "rank %d: sp %s, dp %s", r,
               j.size[r][0] ? "set" : "NULL", j.size[r][1] ? "set" : "NULL");
     }
-    /* each rank's SP communicator, then its world (nccl_rank) */
-    CHECK(calls("ncclCommDestroy") - d0 == 8, "%llu ncclCommDestroy calls, want 8",
+    /* only the worlds, destroyed by nccl_run; the SP communicators are the test's aborts */
+    CHECK(calls("ncclCommDestroy") - d0 == 4, "%llu ncclCommDestroy calls, want 4",
           calls("ncclCommDestroy") - d0);
+    CHECK(calls("ncclCommAbort") - a0 == 4, "%llu ncclCommAbort calls, want 4",
+          calls("ncclCommAbort") - a0);
 }
 
 /* The double itself, on what uly_nccl_split does not exercise: colors {0, 0, 0, NOCOLOR} and
@@ -626,6 +644,7 @@ TEST(failing_ncclSend_is_ecomm_with_nccls_message) {
         check_ecomm(j.st[r], r, "alltoallv: ncclSend/ncclRecv", ncclSystemError, kFaultMsg);
 }
 
+#if ULY_NCCL_ALLTOALL
 TEST(failing_ncclAlltoAll_is_ecomm_with_nccls_message) {
     a2a_job j;
     memset(&j, 0, sizeof j);
@@ -635,6 +654,7 @@ TEST(failing_ncclAlltoAll_is_ecomm_with_nccls_message) {
     for (int r = 0; r < 2; r++)
         check_ecomm(j.st[r], r, "alltoall: ncclAlltoAll", ncclUnhandledCudaError, kFaultMsg);
 }
+#endif
 
 TEST(failing_ncclAllReduce_is_ecomm_with_nccls_message) {
     const int on_device[2] = {1, 0}; /* directly, and through scratch */

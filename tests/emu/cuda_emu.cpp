@@ -1459,7 +1459,10 @@ cudaError_t release(void *p) {
 // The default stream's stall flag is per host thread: each rank thread models its own GPU.
 thread_local bool default_stalled = false;
 
-bool &stall_flag(cudaStream_t s) { return s ? s->stalled : default_stalled; }
+// cudaStreamLegacy and cudaStreamPerThread are handles, not objects: the default stream here.
+bool &stall_flag(cudaStream_t s) {
+    return s && s != cudaStreamLegacy && s != cudaStreamPerThread ? s->stalled : default_stalled;
+}
 
 std::atomic<size_t> smem_optin{0};  // uly_emu_set_smem_optin; 0: kSmemPerBlock
 size_t smem_optin_now() { return smem_optin ? smem_optin.load() : kSmemPerBlock; }
