@@ -2,9 +2,11 @@
    (test_cuda_layer.cu: the device-local one; test_nccl.cu: NCCL under the emulator's double).
 
    sp_case.h's cases and host staging, moved to device tensors of any dtype: one rank's run of
-   uly_forward and uly_backward (gpu_run_rank, rank_main), the same attention run unsharded on
-   the device (gpu_attention), and check_layer, which compares the two: the forward bit for bit,
-   the backward within one rounding, and in fp32 both against the unsharded CPU reference.
+   uly_forward and uly_backward (gpu_run_rank, rank_main; under the emulator it also notes what
+   the two calls asked of the device), the same attention run unsharded on the device
+   (gpu_attention), the gradients of kv heads whose group is split across ranks as the layer
+   must sum them (summed_shares), and check_layer, which compares the layer with the unsharded
+   runs bit for bit, and in fp32 with the unsharded CPU reference.
 
    Include after ulysses_cuda.cuh (with its implementation), check.h, ref64.h and sp_case.h. */
 #ifndef ULY_SP_CUDA_CASE_H
@@ -116,8 +118,57 @@ static int64_t bitdiff(const float *a, const float *b, int64_t n) {
     return k;
 }
 
+/* dk and dv as the layer must give them, bit for bit. A kv head whose group of query heads spans
+   several ranks gets a share of its gradient from each of them (the attention over that rank's
+   heads, rounded to t), and the DKV unpack widens the shares to fp32, adds them in rank order
+   and rounds once (ulysses.h). Rank r's share is the unsharded attention with dout zero outside
+   r's heads, since the other heads then add exact zeros: grads(dout, dk, dv) runs it. Where a
+   group lies on one rank, that is the unsharded result itself. Not within an ulp of the
+   unsharded result in general: each share is rounded on its own scale, which can be far above
+   the sum's when the shares cancel. */
+template <typename G>
+static void summed_shares(const sp_case *c, uly_dtype t, const float *dout, float *dk, float *dv,
+                          G grads) {
+    const int64_t nq = sp_nq(c), nkv = sp_nkv(c);
+    fvec masked((size_t)nq), share_k((size_t)nkv), share_v((size_t)nkv);
+    fvec sum_k((size_t)nkv, 0.f), sum_v((size_t)nkv, 0.f);
+    for (int r = 0; r < c->P; r++) {
+        uly_plan plan;
+        const uly_status st = sp_plan(c, c->P, r, t, &plan);
+        CHECK(!st.code, "plan of rank %d: %s", r, st.msg);
+        const uly_range h = uly_heads(&plan, r);
+        for (int64_t i = 0; i < nq; i++) { /* dout is [B, S, H, D] */
+            const int64_t head = i / c->D % c->H;
+            masked[i] = head >= h.start && head < h.start + h.count ? dout[i] : 0.f;
+        }
+        grads(masked.data(), share_k.data(), share_v.data());
+        for (int64_t i = 0; i < nkv; i++) sum_k[i] += share_k[i], sum_v[i] += share_v[i];
+    }
+    for (int64_t i = 0; i < nkv; i++) dk[i] = round_to(t, sum_k[i]), dv[i] = round_to(t, sum_v[i]);
+}
+
 /* ---------------------------------------------------------------------------------------------
    The layer: one rank of P, on the device, over any device communicator */
+
+/* What one rank's uly_forward and uly_backward asked of the device, from the emulator's record
+   (tests/emu/cuda_emu.h; zero on a GPU): the operations queued on streams, the first one that
+   was not on the rank's stream (NULL if none), and the allocations. */
+typedef struct rank_calls {
+    int64_t ops;
+    const char *off_stream;
+    unsigned long long allocs;
+} rank_calls;
+
+#ifdef ULY_EMU
+static rank_calls recorded_calls(cudaStream_t stream) {
+    rank_calls c = {0, NULL, uly_emu_recorded_allocs()};
+    for (const uly_emu_op &op : uly_emu_recorded_ops()) {
+        c.ops++;
+        if (op.stream != stream && !c.off_stream) c.off_stream = op.what;
+    }
+    return c;
+}
+#endif
 
 typedef struct job {
     const sp_case *c;
@@ -126,10 +177,11 @@ typedef struct job {
     int deterministic;
     sp_full *f;
     uly_status st[8];
+    rank_calls calls[8]; /* under the emulator */
 } job;
 
 /* Like sp_run_rank (sp_case.h), with every buffer on the device in dtype t. */
-static uly_status gpu_run_rank(const uly_comm *comm, const job *j) {
+static uly_status gpu_run_rank(const uly_comm *comm, job *j) {
     const sp_case *c = j->c;
     const uly_dtype t = j->t;
     uly_plan plan;
@@ -154,12 +206,18 @@ static uly_status gpu_run_rank(const uly_comm *comm, const job *j) {
     cudaMalloc(&L.workspace, (size_t)L.workspace_bytes + 1);
     cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan) + 1);
 
+#ifdef ULY_EMU
+    uly_emu_record_reset();
+#endif
     st = uly_forward(&L, on_dev(s.q, s.in, in_d, t), on_dev(s.k, s.in, in_d, t),
                      on_dev(s.v, s.in, in_d, t), on_dev(s.o, s.out, out_d, t), saved);
     if (!st.code)
         st = uly_backward(&L, on_dev(s.dO, s.dout, dout_d, t), saved,
                           on_dev(s.dq, s.grad, grad_d, t), on_dev(s.dk, s.grad, grad_d, t),
                           on_dev(s.dv, s.grad, grad_d, t));
+#ifdef ULY_EMU
+    j->calls[comm->rank] = recorded_calls(stream);
+#endif
     cudaStreamSynchronize(stream);
     if (!st.code) {
         from_dev(s.out, out_d, no, t);
@@ -211,14 +269,27 @@ static void check_layer(const sp_case *c, uly_dtype t, sp_runner run) {
           SP_CASE_ARGS(c), (long long)bitdiff(layer.out, whole.out, sp_nq(c)),
           (long long)bitdiff(layer.lse, whole.lse, sp_nlse(c)));
     {
-        /* Summing a split group's copies rounds once more: one ulp in bf16 and f16. */
-        double tol = t == ULY_F32 ? 1e-6 : t == ULY_BF16 ? 0x1p-7 : 0x1p-10;
-        double e[3] = {maxdiff(layer.dq, whole.dq, sp_nq(c)),
-                       maxdiff(layer.dk, whole.dk, sp_nkv(c)),
-                       maxdiff(layer.dv, whole.dv, sp_nkv(c))};
+        /* dq of a head depends on that head alone (no sum crosses ranks): the unsharded dq. dk
+           and dv: the ranks' shares, summed as the layer sums them. */
+        fvec dk((size_t)sp_nkv(c)), dv((size_t)sp_nkv(c)), out((size_t)sp_nq(c));
+        fvec lse((size_t)sp_nlse(c)), dq((size_t)sp_nq(c));
+        summed_shares(c, t, whole.dout, dk.data(), dv.data(),
+                      [&](const float *dout, float *share_k, float *share_v) {
+                          sp_full m = whole; /* its inputs; outputs into scratch */
+                          m.dout = (float *)dout, m.out = out.data(), m.lse = lse.data();
+                          m.dq = dq.data(), m.dk = share_k, m.dv = share_v;
+                          const uly_status ms = gpu_attention(c, t, &m, 1);
+                          CHECK(!ms.code, "a rank's share: %s", ms.msg);
+                      });
+        const int64_t n[3] = {sp_nq(c), sp_nkv(c), sp_nkv(c)};
+        const float *got[3] = {layer.dq, layer.dk, layer.dv};
+        const float *want[3] = {whole.dq, dk.data(), dv.data()};
         for (int i = 0; i < 3; i++)
-            CHECK(e[i] <= tol, "%s " SP_CASE_FMT ": %s differs from unsharded by %g", dtype_name(t),
-                  SP_CASE_ARGS(c), output_names[2 + i], e[i]);
+            CHECK(!bitdiff(got[i], want[i], n[i]),
+                  "%s " SP_CASE_FMT ": %s differs from the unsharded %s in %lld values, by %g",
+                  dtype_name(t), SP_CASE_ARGS(c), output_names[2 + i],
+                  i ? "shares summed" : "attention", (long long)bitdiff(got[i], want[i], n[i]),
+                  maxdiff(got[i], want[i], n[i]));
     }
     if (t == ULY_F32) {
         uly_status cs = sp_cpu_reference(c, &cpu);

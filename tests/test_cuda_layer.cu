@@ -5,17 +5,22 @@
    - The reference attention agrees with uly_cpu_attention (fp32 within 2e-6; bf16 and f16
      against the CPU on the same rounded inputs, within their rounding), including Sq != Sk,
      rows that keep no key (0 and lse = +inf), and a GQA group split at q_head0.
-   - The layer over P = 1..4 virtual ranks, forward and backward, in each dtype: its forward is
-     bit-identical to the same attention run unsharded (the layer only moves data), its backward
-     within one rounding of it (the gradient copies of a split GQA group are summed in another
-     order), and in fp32 it agrees with the unsharded CPU reference within 2e-6. Errors are
-     relative: |got - want| / (1 + |want|).
+   - The layer over P = 1..4 virtual ranks, forward and backward, in each dtype: out, lse and dq
+     are bit-identical to the same attention run unsharded (the layer only moves data), and so
+     are dk and dv, except that a kv head whose GQA group is split across ranks gets the ranks'
+     shares of its gradient, each rounded to the dtype, summed in fp32 in rank order and rounded
+     once: bit-identical to that (sp_cuda_case.h's summed_shares). In fp32 the layer agrees
+     with the unsharded CPU reference within 2e-6 (relative: |got - want| / (1 + |want|)).
    - The layer with the flash kernel over P = 1..4, bf16 and f16, D = 64 and 128, causal or
      not, MHA, MQA and GQA groups split across ranks, B > 1: out and lse are bit-identical to
-     uly_flash_attention run unsharded; so are dQ, dK, dV in deterministic mode, and dK, dV
-     with atomics, except where a split group's gradient copies are summed (within one ulp).
+     uly_flash_attention run unsharded; so are dQ, in both dQ modes, and dK, dV where no group
+     is split; where one is, they are the summed shares bit for bit (two cases), within 2^-7
+     (bf16) or 2^-10 (f16) relative in the rest.
      Against the CPU fp32 layer (uly_cpu_attention over uly_cpu_layout, the same inputs
      widened) and fp64 it meets test_flash's accuracy rule.
+   - Under the emulator, which records what each rank thread asks of the device: the flash
+     layer's uly_forward and uly_backward queue everything on the caller's stream and allocate
+     nothing.
    - The device-local communicator on its own: bytes land where the counts say, allreduce sums
      host or device memory, and mismatched counts are an error on every rank, not a hang.
    - Bad input to the layer is a named error.
@@ -158,11 +163,16 @@ TEST(layer_f16_matches_unsharded) {
 
    The flash forward is one block per (batch, head, query block) and reads only its head's kv
    head, so giving each rank a slice of the heads cannot change a bit: out and lse equal
-   uly_flash_attention run unsharded on the full tensors. Its backward sums dK and dV over the
-   query heads of a GQA group in registers, in head order; when a group is split across ranks,
-   each rank's share is rounded to the dtype and the DKV unpack sums the copies in fp32, which
-   rounds once more (one ulp of slack, relative as above). dQ is bitwise in deterministic mode;
-   with atomics its fp32 sum over key blocks runs in any order (one ulp again). Against the CPU
+   uly_flash_attention run unsharded on the full tensors. So does dQ, since no sum of it crosses
+   ranks. With atomics its fp32 sum over the backward's blocks of 128 keys runs in any order,
+   but every case below has S <= 256: a row sums at most two blocks' partials onto zero, which
+   commute (a case with S > 256 would need a bound instead). The backward sums dK and dV over
+   the query heads of a GQA group in registers, in head order; when a group is split across
+   ranks, each rank's share is rounded to the dtype and the DKV unpack sums the shares in fp32.
+   summed_shares (sp_cuda_case.h) reproduces that bit for bit but costs a flash run per rank,
+   so one test checks two cases exactly and the matrix bounds those values by 2^-7 (bf16) or
+   2^-10 (f16) of 1 + |want|. (Not by an ulp of the unsharded value: each share rounds on its
+   own scale, which makes up to 3e4 ulps of the sum where the shares cancel.) Against the CPU
    fp32 reference layer (uly_cpu_attention over uly_cpu_layout, on the same inputs widened to
    fp32) and fp64, the layer meets the accuracy rule of test_flash (flash_case.h). */
 
@@ -185,29 +195,53 @@ static int kv_head_split(const sp_case *c) {
 static fvec as_fvec(const float *x, int64_t n) { return fvec(x, x + n); }
 static dvec as_dvec(const float *x, int64_t n) { return dvec(x, x + n); }
 
+/* The flash layer (in dQ mode `deterministic`) on c->P ranks of the device-local communicator,
+   on f's inputs, its results into f; the first error of the run or of a rank. j: the ranks'
+   record. */
+static uly_status run_flash_layer(const sp_case *c, uly_dtype t, int deterministic, sp_full *f,
+                                  job *j) {
+    memset(j, 0, sizeof *j);
+    j->c = c, j->t = t, j->f = f, j->attn = uly_flash_attention();
+    j->deterministic = deterministic;
+    uly_status st = uly_cuda_local_run(c->P, rank_main, j);
+    for (int r = 0; r < c->P && !st.code; r++) st = j->st[r];
+    return st;
+}
+
+/* f's inputs rounded to t, as the layer's device tensors hold them. */
+static void round_inputs(const sp_case *c, sp_full *f, uly_dtype t) {
+    round_all(f->q, sp_nq(c), t), round_all(f->k, sp_nkv(c), t);
+    round_all(f->v, sp_nkv(c), t), round_all(f->dout, sp_nq(c), t);
+}
+
+/* Case c, unsharded, as flash_case.h describes an attention. */
+static fcase flash_case_of(const sp_case *c, uly_dtype t, int deterministic) {
+    fcase fc;
+    memset(&fc, 0, sizeof fc);
+    fc.B = c->B, fc.Sq = fc.Sk = c->S, fc.H = c->H, fc.Hkv = c->Hkv, fc.D = c->D;
+    fc.causal = c->causal, fc.dt = t, fc.deterministic = deterministic;
+    return fc;
+}
+
+static inputs inputs_of(const sp_case *c, const sp_full *f) {
+    inputs in;
+    in.q = as_fvec(f->q, sp_nq(c)), in.k = as_fvec(f->k, sp_nkv(c));
+    in.v = as_fvec(f->v, sp_nkv(c)), in.dout = as_fvec(f->dout, sp_nq(c));
+    return in;
+}
+
 static void check_flash_layer(const sp_case *c, uly_dtype t, int deterministic) {
     sp_full layer = sp_alloc(c, 11), cpu = sp_alloc(c, 11);
-    sp_full *all[2] = {&layer, &cpu};
-    for (int i = 0; i < 2; i++) {
-        round_all(all[i]->q, sp_nq(c), t), round_all(all[i]->k, sp_nkv(c), t);
-        round_all(all[i]->v, sp_nkv(c), t), round_all(all[i]->dout, sp_nq(c), t);
-    }
+    round_inputs(c, &layer, t), round_inputs(c, &cpu, t);
     job j;
-    memset(&j, 0, sizeof j);
-    j.c = c, j.t = t, j.f = &layer, j.attn = uly_flash_attention(), j.deterministic = deterministic;
-    uly_status st = uly_cuda_local_run(c->P, rank_main, &j);
-    for (int r = 0; r < c->P && !st.code; r++) st = j.st[r];
+    uly_status st = run_flash_layer(c, t, deterministic, &layer, &j);
     uly_status cs = sp_run_local(c, &cpu);
     CHECK(!st.code && !cs.code, "%s " SP_CASE_FMT ": flash layer '%s', cpu layer '%s'",
           dtype_name(t), SP_CASE_ARGS(c), st.msg, cs.msg);
 
-    fcase fc; /* the same attention for flash_case.h: unsharded flash, fp64 and plain references */
-    memset(&fc, 0, sizeof fc);
-    fc.B = c->B, fc.Sq = fc.Sk = c->S, fc.H = c->H, fc.Hkv = c->Hkv, fc.D = c->D;
-    fc.causal = c->causal, fc.dt = t, fc.deterministic = deterministic;
-    inputs in;
-    in.q = as_fvec(layer.q, sp_nq(c)), in.k = as_fvec(layer.k, sp_nkv(c));
-    in.v = as_fvec(layer.v, sp_nkv(c)), in.dout = as_fvec(layer.dout, sp_nq(c));
+    /* The same attention for flash_case.h: unsharded flash, fp64 and plain references. */
+    const fcase fc = flash_case_of(c, t, deterministic);
+    const inputs in = inputs_of(c, &layer);
     const std::vector<int> cu = dense_cu(c->B, c->S);
     const run_out whole = run_attn(fc, cu, cu, false, in, uly_flash_attention());
     if (st.code || cs.code || !whole.ok) goto done;
@@ -217,12 +251,12 @@ static void check_flash_layer(const sp_case *c, uly_dtype t, int deterministic) 
         const float *want[5] = {whole.o.data(), whole.lse.data(), whole.dq.data(),
                                 whole.dk.data(), whole.dv.data()};
         const int split = kv_head_split(c);
-        const int bitwise[5] = {1, 1, deterministic, !split, !split};
-        const double ulp = t == ULY_BF16 ? 0x1p-7 : 0x1p-10;
+        const int bitwise[5] = {1, 1, 1, !split, !split};
+        const double relative = t == ULY_BF16 ? 0x1p-7 : 0x1p-10;
         for (int i = 0; i < 5; i++) {
             const int64_t bits = ref_bitdiff(got[i], want[i], n[i]);
             const double e = maxdiff(got[i], want[i], n[i]);
-            CHECK(bitwise[i] ? bits == 0 : e <= ulp,
+            CHECK(bitwise[i] ? bits == 0 : e <= relative,
                   "%s%s " SP_CASE_FMT ": %s differs from unsharded flash in %lld values, by %g",
                   dtype_name(t), deterministic ? " deterministic" : "", SP_CASE_ARGS(c),
                   output_names[i], (long long)bits, e);
@@ -246,7 +280,8 @@ done:
     sp_free(&layer), sp_free(&cpu);
 }
 
-/* P, B, S, H, Hkv, D, causal, fused, scale (0: flash_case.h's references take 1/sqrt(D)) */
+/* P, B, S, H, Hkv, D, causal, fused, scale (0: flash_case.h's references take 1/sqrt(D)).
+   S <= 256, for dQ with atomics to be bitwise (above). */
 static const sp_case flash_cases[] = {
     {1, 2, 64, 2, 1, 64, 1, 0, 0},    /* one rank, MQA, B = 2 */
     {2, 1, 129, 4, 2, 128, 0, 1, 0},  /* uneven S, fused QKV, each group on one rank */
@@ -288,6 +323,82 @@ TEST(flash_layer_bf16_matches_unsharded_flash_and_cpu_layer) { flash_matrix(ULY_
 TEST(flash_layer_f16_matches_unsharded_flash_and_cpu_layer) { flash_matrix(ULY_F16, 0); }
 TEST(flash_layer_deterministic_bf16_is_bitwise_unsharded) { flash_matrix(ULY_BF16, 1); }
 TEST(flash_layer_deterministic_f16_is_bitwise_unsharded) { flash_matrix(ULY_F16, 1); }
+
+/* The flash layer's dK and dV of split groups are the ranks' shares summed as the DKV unpack
+   sums them (summed_shares), bit for bit: MQA over 4 ranks (four shares of each value) in bf16,
+   and g = 3 over H_r = 2 (two shares) in f16. */
+TEST(flash_layer_split_group_gradients_are_the_summed_shares) {
+    const sp_case cases[] = {{4, 1, 40, 4, 1, 64, 1, 0, 0}, {3, 1, 33, 6, 2, 64, 0, 1, 0}};
+    const uly_dtype types[] = {ULY_BF16, ULY_F16};
+    for (int i = 0; i < 2; i++) {
+        const sp_case *c = &cases[i];
+        const uly_dtype t = types[i];
+        sp_full layer = sp_alloc(c, 13);
+        round_inputs(c, &layer, t);
+        job j;
+        const uly_status st = run_flash_layer(c, t, 0, &layer, &j);
+        CHECK(!st.code, "%s " SP_CASE_FMT ": %s", dtype_name(t), SP_CASE_ARGS(c), st.msg);
+        const fcase fc = flash_case_of(c, t, 0);
+        const std::vector<int> cu = dense_cu(c->B, c->S);
+        fvec dk((size_t)sp_nkv(c)), dv((size_t)sp_nkv(c));
+        summed_shares(c, t, layer.dout, dk.data(), dv.data(),
+                      [&](const float *dout, float *share_k, float *share_v) {
+                          inputs in = inputs_of(c, &layer);
+                          in.dout = as_fvec(dout, sp_nq(c));
+                          const run_out r = run_attn(fc, cu, cu, false, in, uly_flash_attention());
+                          memcpy(share_k, r.dk.data(), r.dk.size() * sizeof(float));
+                          memcpy(share_v, r.dv.data(), r.dv.size() * sizeof(float));
+                      });
+        const int64_t nk = ref_bitdiff(layer.dk, dk.data(), sp_nkv(c));
+        const int64_t nv = ref_bitdiff(layer.dv, dv.data(), sp_nkv(c));
+        CHECK(nk == 0 && nv == 0, "%s " SP_CASE_FMT ": %lld dk and %lld dv values differ from the "
+              "summed shares", dtype_name(t), SP_CASE_ARGS(c), (long long)nk, (long long)nv);
+        sp_free(&layer);
+    }
+}
+
+#ifdef ULY_EMU
+/* ---------------------------------------------------------------------------------------------
+   What the layer asks of the device (the emulator's record, tests/emu/cuda_emu.h)
+
+   The flash layer (uly_cuda_layer's default attention) over the device-local communicator, in
+   both dQ modes, on a GQA group split across 3 ranks (so the DKV unpack sums). Each rank makes
+   its stream and buffers before its calls; gpu_run_rank records only its uly_forward and
+   uly_backward. */
+
+/* f(rank's record, what) for every rank of the run in each dQ mode. */
+template <typename F> static void each_recorded_rank(F f) {
+    const sp_case c = {3, 1, 40, 6, 2, 64, 1, 1, 0};
+    for (int deterministic = 0; deterministic < 2; deterministic++) {
+        sp_full layer = sp_alloc(&c, 17);
+        round_inputs(&c, &layer, ULY_BF16);
+        job j;
+        const uly_status st = run_flash_layer(&c, ULY_BF16, deterministic, &layer, &j);
+        CHECK(!st.code, "%s", st.msg);
+        char what[64];
+        for (int r = 0; r < c.P; r++) {
+            snprintf(what, sizeof what, "rank %d, %s dQ", r,
+                     deterministic ? "deterministic" : "atomic");
+            f(j.calls[r], what);
+        }
+        sp_free(&layer);
+    }
+}
+
+TEST(layer_queues_only_on_the_callers_stream) {
+    each_recorded_rank([](const rank_calls &k, const char *what) {
+        CHECK(k.ops > 0 && !k.off_stream, "%s: %lld operations queued, %s not on the layer's "
+              "stream", what, (long long)k.ops, k.off_stream ? k.off_stream : "none");
+    });
+}
+
+TEST(layer_allocates_nothing) {
+    each_recorded_rank([](const rank_calls &k, const char *what) {
+        CHECK(k.allocs == 0, "%s: %llu allocations in uly_forward and uly_backward", what,
+              k.allocs);
+    });
+}
+#endif
 
 /* ---------------------------------------------------------------------------------------------
    The device-local communicator on its own */

@@ -3,11 +3,14 @@
    Every pack and unpack of every exchange, on every rank of a sweep of plans (uneven S and H,
    GQA with Hkv < P so kv heads are replicated, B > 1, rows whose bytes are not a multiple of
    16), in each dtype, is bit-identical to the CPU reference over the whole destination buffer,
-   so nothing outside the box moves either. Tensors come in four forms: dense, a view into a
-   fused QKV buffer, heads-outer strides (rows that cannot be merged), and dense shifted by one
-   element (the element-wise path). Then the bad inputs, each a named error.
-   That includes the DKV unpack's sums of the gradient copies of a shared kv head in bf16 and
-   f16: both sides add in fp32 in peer order and round once.
+   so nothing outside the box moves either. Tensors come in five forms: dense, the q or v view
+   into a fused QKV buffer, its k view (KV and DKV only), heads-outer strides (rows that cannot
+   be merged), and dense shifted by one element. That includes the DKV unpack's sums of the
+   gradient copies of a shared kv head in bf16 and f16: both sides add in fp32 in peer order and
+   round once. Under the emulator, which records what a call asks of the device: pack and unpack
+   queue their work on the caller's stream only and allocate nothing, and they launch the
+   16-byte vector kernel where rows and buffers are 16-byte aligned, the element kernel where
+   they are not. Then the bad inputs, each a named error.
    Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu). */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
@@ -37,9 +40,13 @@ static const lcase cases[] = {
 enum { NCASES = sizeof cases / sizeof *cases };
 
 static const uly_dtype dtypes[] = {ULY_F32, ULY_BF16, ULY_F16};
+static const char *dtype_name(uly_dtype t) {
+    return t == ULY_F32 ? "f32" : t == ULY_BF16 ? "bf16" : "f16";
+}
 
-typedef enum form { DENSE, FUSED, HEADS_OUTER, SHIFTED } form;
-static const char *const form_names[] = {"dense", "fused", "heads-outer", "shifted"};
+/* FUSED is the q view (Q, O) or the v view (KV, DKV) of a fused buffer, FUSED_K its k view. */
+typedef enum form { DENSE, FUSED, FUSED_K, HEADS_OUTER, SHIFTED } form;
+static const char *const form_names[] = {"dense", "fused", "fused-k", "heads-outer", "shifted"};
 static const char *const xnames[] = {"Q", "KV", "O", "DKV"};
 
 /* ---------------------------------------------------------------------------------------------
@@ -94,15 +101,15 @@ static int64_t buf_diff(const buf *b) {
 }
 
 /* A [B, s, h, D] tensor of the given form in b (host or device copy); nq and nkv are the
-   head counts of the fused buffer it is a view into, whose q heads (Q, O) or v heads (KV, DKV)
-   it is. */
+   head counts of the fused buffer it is a view into, whose q heads (Q, O) or k or v heads (KV,
+   DKV) it is. */
 static uly_tensor tensor_in(char *base, form f, uly_dtype t, int64_t B, int64_t s, int64_t h,
                             int64_t D, int kv, int64_t nq, int64_t nkv) {
     uly_tensor x = uly_dense(base + (f == SHIFTED ? uly_dtype_size(t) : 0), t, B, s, h, D);
-    if (f == FUSED) {
+    if (f == FUSED || f == FUSED_K) {
         uly_tensor q, k, v;
         uly_qkv_views(base, t, B, s, nq, nkv, D, &q, &k, &v);
-        x = kv ? v : q;
+        x = !kv ? q : f == FUSED_K ? k : v;
     } else if (f == HEADS_OUTER) {
         x.ss = D, x.sh = s * D, x.sb = h * s * D;
     }
@@ -112,7 +119,7 @@ static uly_tensor tensor_in(char *base, form f, uly_dtype t, int64_t B, int64_t 
 /* Bytes of the buffer behind tensor_in. */
 static int64_t tensor_bytes(form f, uly_dtype t, int64_t B, int64_t s, int64_t h, int64_t D,
                             int64_t nq, int64_t nkv) {
-    int64_t heads = f == FUSED ? nq + 2 * nkv : h + (f == SHIFTED);
+    int64_t heads = f == FUSED || f == FUSED_K ? nq + 2 * nkv : h + (f == SHIFTED);
     return B * s * heads * D * uly_dtype_size(t);
 }
 
@@ -169,12 +176,17 @@ static void check_one(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unp
     int64_t diff = buf_diff(unpack ? &tb : &xb);
     CHECK(!want.code && !got.code && !e && !diff,
           "%s %s, %s %s, P=%d rank %d B=%lld S=%lld H=%lld Hkv=%lld D=%lld: cpu '%s', gpu '%s', "
-          "cuda '%s', %lld bytes differ", unpack ? "unpack" : "pack", xnames[x],
-          uly_dtype_size(t) == 4 ? "f32" : t == ULY_BF16 ? "bf16" : "f16", form_names[f], c->P,
-          rank, (long long)c->B, (long long)c->S, (long long)c->H, (long long)c->Hkv,
-          (long long)c->D, want.msg, got.msg, cudaGetErrorString(e), (long long)diff);
+          "cuda '%s', %lld bytes differ", unpack ? "unpack" : "pack", xnames[x], dtype_name(t),
+          form_names[f], c->P, rank, (long long)c->B, (long long)c->S, (long long)c->H,
+          (long long)c->Hkv, (long long)c->D, want.msg, got.msg, cudaGetErrorString(e),
+          (long long)diff);
     buf_free(&tb);
     buf_free(&xb);
+}
+
+/* Whether exchange x has a tensor of form f: the k view is KV's and DKV's only. */
+static int has_form(uly_xchg x, form f) {
+    return f != FUSED_K || x == ULY_X_KV || x == ULY_X_DKV;
 }
 
 static void check_sweep(int unpack, form f) {
@@ -182,17 +194,149 @@ static void check_sweep(int unpack, form f) {
         for (int r = 0; r < cases[i].P; r++)
             for (int t = 0; t < 3; t++)
                 for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
-                    check_one(&cases[i], r, dtypes[t], (uly_xchg)x, unpack, f);
+                    if (has_form((uly_xchg)x, f))
+                        check_one(&cases[i], r, dtypes[t], (uly_xchg)x, unpack, f);
 }
 
 TEST(pack_dense_matches_cpu) { check_sweep(0, DENSE); }
 TEST(pack_fused_qkv_views_match_cpu) { check_sweep(0, FUSED); }
+TEST(pack_fused_k_view_matches_cpu) { check_sweep(0, FUSED_K); }
 TEST(pack_heads_outer_matches_cpu) { check_sweep(0, HEADS_OUTER); }
-TEST(pack_misaligned_takes_element_path) { check_sweep(0, SHIFTED); }
+TEST(pack_shifted_views_match_cpu) { check_sweep(0, SHIFTED); }
 TEST(unpack_dense_matches_cpu) { check_sweep(1, DENSE); }
 TEST(unpack_into_fused_views_matches_cpu) { check_sweep(1, FUSED); }
+TEST(unpack_into_fused_k_view_matches_cpu) { check_sweep(1, FUSED_K); }
 TEST(unpack_heads_outer_matches_cpu) { check_sweep(1, HEADS_OUTER); }
-TEST(unpack_misaligned_takes_element_path) { check_sweep(1, SHIFTED); }
+TEST(unpack_into_shifted_views_matches_cpu) { check_sweep(1, SHIFTED); }
+
+#ifdef ULY_EMU
+/* ---------------------------------------------------------------------------------------------
+   What a call asks of the device (the emulator's record, tests/emu/cuda_emu.h) */
+
+/* The record of one GPU pack or unpack of exchange x on rank `rank`, on stream s (the sweep
+   checks its bytes); *allocs: the allocations it made. */
+static std::vector<uly_emu_op> record_one(const lcase *c, int rank, uly_dtype t, uly_xchg x,
+                                          int unpack, form f, cudaStream_t s,
+                                          unsigned long long *allocs) {
+    uly_plan p;
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = c->P, d.rank = rank, d.sp_size = c->P;
+    d.batch = c->B, d.seq_len = c->S, d.n_heads = c->H, d.n_kv_heads = c->Hkv;
+    d.head_dim = c->D, d.dtype = t;
+    uly_status st = uly_plan_init(&p, &d);
+    CHECK(!st.code, "plan: %s", st.msg);
+    const side sd = side_of(&p, c, rank, x, unpack);
+    buf tb = buf_new(tensor_bytes(f, t, c->B, sd.s, sd.h, c->D, sd.nq, sd.nkv));
+    buf xb = buf_new(unpack ? uly_recv_bytes(&p, x) : uly_send_bytes(&p, x));
+    const uly_tensor tg = tensor_in(tb.dev, f, t, c->B, sd.s, sd.h, c->D, sd.kv, sd.nq, sd.nkv);
+    const uly_layout gpu = uly_cuda_layout();
+    uly_emu_record_reset();
+    st = unpack ? gpu.unpack(gpu.ctx, &p, x, xb.dev, tg, s)
+                : gpu.pack(gpu.ctx, &p, x, tg, xb.dev, s);
+    const std::vector<uly_emu_op> ops = uly_emu_recorded_ops();
+    *allocs = uly_emu_recorded_allocs();
+    CHECK(!st.code && !cudaStreamSynchronize(s), "%s %s: '%s'", unpack ? "unpack" : "pack",
+          xnames[x], st.msg);
+    buf_free(&tb);
+    buf_free(&xb);
+    return ops;
+}
+
+/* f(record, allocations, what) for pack and unpack of every exchange (that has form fm) of
+   every rank of case c, in dtype t, on stream s. */
+template <typename F>
+static void each_call(const lcase *c, uly_dtype t, form fm, cudaStream_t s, F f) {
+    char what[96];
+    for (int r = 0; r < c->P; r++)
+        for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
+            for (int unpack = 0; unpack < 2 && has_form((uly_xchg)x, fm); unpack++) {
+                unsigned long long allocs;
+                const std::vector<uly_emu_op> ops =
+                    record_one(c, r, t, (uly_xchg)x, unpack, fm, s, &allocs);
+                snprintf(what, sizeof what, "%s %s, %s %s, P=%d D=%lld rank %d",
+                         unpack ? "unpack" : "pack", xnames[x], dtype_name(t), form_names[fm],
+                         c->P, (long long)c->D, r);
+                f(ops, allocs, what);
+            }
+}
+
+/* P, B, S, H, Hkv, D: one kv head on both ranks, so the DKV unpack sums. With D = 16, rows of
+   32 or 64 bytes and every offset a multiple of 16 bytes (in buffers cudaMalloc aligns); with
+   D = 3, rows of 6 or 12 bytes. */
+static const lcase aligned = {2, 1, 8, 4, 1, 16}, odd = {2, 1, 8, 4, 1, 3};
+
+TEST(pack_and_unpack_queue_only_on_the_callers_stream) {
+    cudaStream_t s;
+    CHECK(cudaStreamCreate(&s) == cudaSuccess, "cudaStreamCreate");
+    for (const lcase *c : {&aligned, &odd}) /* the vector and the element kernels */
+        each_call(c, ULY_BF16, DENSE, s,
+                  [&](const std::vector<uly_emu_op> &ops, unsigned long long, const char *what) {
+                      CHECK(!ops.empty(), "%s: nothing queued", what);
+                      for (const uly_emu_op &op : ops)
+                          CHECK(op.stream == s, "%s: %s on stream %p, not the caller's %p", what,
+                                op.what, (void *)op.stream, (void *)s);
+                  });
+    cudaStreamDestroy(s);
+}
+
+TEST(pack_and_unpack_allocate_nothing) {
+    cudaStream_t s;
+    CHECK(cudaStreamCreate(&s) == cudaSuccess, "cudaStreamCreate");
+    for (const lcase *c : {&aligned, &odd})
+        each_call(c, ULY_BF16, DENSE, s,
+                  [&](const std::vector<uly_emu_op> &, unsigned long long allocs,
+                      const char *what) {
+                      CHECK(allocs == 0, "%s: %llu allocations", what, allocs);
+                  });
+    cudaStreamDestroy(s);
+}
+
+/* The box kernel's two paths: W = 16 / sizeof(T) elements (16 bytes) an access, or one. */
+typedef enum path { ELEMENT, VECTOR } path;
+
+/* Whether fn is uly__box_copy<T, W, mode> for some mode, W being path p's. */
+template <typename T> static bool is_box_copy(const void *fn, path p) {
+    enum { V = 16 / sizeof(T) };
+    const void *const vector[] = {(const void *)uly__box_copy<T, V, ULY__PACK>,
+                                  (const void *)uly__box_copy<T, V, ULY__UNPACK>,
+                                  (const void *)uly__box_copy<T, V, ULY__UNPACK_SUM>};
+    const void *const element[] = {(const void *)uly__box_copy<T, 1, ULY__PACK>,
+                                   (const void *)uly__box_copy<T, 1, ULY__UNPACK>,
+                                   (const void *)uly__box_copy<T, 1, ULY__UNPACK_SUM>};
+    for (int m = 0; m < 3; m++)
+        if (fn == (p == VECTOR ? vector : element)[m]) return true;
+    return false;
+}
+
+static bool is_box_copy(uly_dtype t, const void *fn, path p) {
+    return t == ULY_F32    ? is_box_copy<float>(fn, p)
+           : t == ULY_BF16 ? is_box_copy<__nv_bfloat16>(fn, p)
+                           : is_box_copy<__half>(fn, p);
+}
+
+/* Every call of case c in form fm, in each dtype, launches the box kernel of path p only. */
+static void check_path(const lcase *c, form fm, path p) {
+    for (int t = 0; t < 3; t++)
+        each_call(c, dtypes[t], fm, 0,
+                  [&](const std::vector<uly_emu_op> &ops, unsigned long long, const char *what) {
+                      CHECK(!ops.empty(), "%s: nothing launched", what);
+                      for (const uly_emu_op &op : ops)
+                          CHECK(is_box_copy(dtypes[t], op.kernel, p), "%s: launched %s, want "
+                                "the %s box kernel", what, op.what,
+                                p == VECTOR ? "16-byte" : "element");
+                  });
+}
+
+TEST(aligned_rows_take_the_16_byte_path) {
+    for (form fm : {DENSE, FUSED, FUSED_K, HEADS_OUTER}) check_path(&aligned, fm, VECTOR);
+}
+
+TEST(misaligned_views_take_the_element_path) {
+    check_path(&aligned, SHIFTED, ELEMENT);
+    check_path(&odd, DENSE, ELEMENT);
+}
+#endif
 
 #ifdef ULY_EMU
 /* 64-bit offsets, as in test_flash's offsets_past_int32: under the emulator device memory is host

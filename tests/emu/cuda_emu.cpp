@@ -258,6 +258,10 @@ __thread Worker *tw;
 // As in CUDA, the last error is per host thread; so is the last failure report.
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local std::string last_failure;
+// What the host thread asked of the device (uly_emu_recorded_ops, uly_emu_recorded_allocs): per
+// host thread, as each rank thread models its own GPU; a few bytes a call until the next reset.
+thread_local std::vector<uly_emu_op> recorded_ops;
+thread_local unsigned long long recorded_allocs = 0;
 std::atomic<bool> quiet{false};
 std::atomic<unsigned long long> total_switches{0};
 std::atomic<unsigned long long> ldmatrix_conflicts{0};
@@ -1200,6 +1204,7 @@ void uly_emu_launch(const uly_emu_grid &g) {
             fprintf(stderr, "cuda_emu: seed %llu (set ULY_EMU_SEED=%llu to replay schedules)\n",
                     config().seed, config().seed);
     });
+    recorded_ops.push_back(uly_emu_op{g.name, g.fn, g.stream});
     if (cudaError_t e = check_launch(g)) {
         set_error(e);
         return;
@@ -1384,12 +1389,20 @@ const char *uly_emu_last_failure() { return last_failure.c_str(); }
 
 void uly_emu_set_quiet(bool q) { quiet = q; }
 
+void uly_emu_record_reset() {
+    recorded_ops.clear();
+    recorded_allocs = 0;
+}
+std::vector<uly_emu_op> uly_emu_recorded_ops() { return recorded_ops; }
+unsigned long long uly_emu_recorded_allocs() { return recorded_allocs; }
+
 unsigned long long uly_emu_switches() { return total_switches; }
 unsigned long long uly_emu_ldmatrix_conflicts() { return ldmatrix_conflicts; }
 
 // =============================================================================================
 // CUDA runtime subset on host memory. Streams and events are handles (a stream holds only the
-// flag of uly_emu_stall_stream): every call is synchronous. Errors of a launch are not sticky:
+// flag of uly_emu_stall_stream): every call is synchronous, and the stream it names is only
+// recorded (uly_emu_recorded_ops). Errors of a launch are not sticky:
 // cudaGetLastError clears them, so a test goes on.
 
 struct CUstream_st {
@@ -1456,6 +1469,11 @@ cudaError_t release(void *p) {
     return cudaSuccess;
 }
 
+// A runtime call CUDA orders on stream s (0: the default stream), for uly_emu_recorded_ops.
+void record(const char *what, cudaStream_t s) {
+    recorded_ops.push_back(uly_emu_op{what, nullptr, s});
+}
+
 // The default stream's stall flag is per host thread: each rank thread models its own GPU.
 thread_local bool default_stalled = false;
 
@@ -1472,9 +1490,15 @@ size_t smem_optin_now() { return smem_optin ? smem_optin.load() : kSmemPerBlock;
 void uly_emu_stall_stream(cudaStream_t s, bool stalled) { stall_flag(s) = stalled; }
 void uly_emu_set_smem_optin(size_t bytes) { smem_optin = bytes; }
 
-cudaError_t cudaMalloc(void **p, size_t size) { return alloc(p, size, cudaMemoryTypeDevice); }
+cudaError_t cudaMalloc(void **p, size_t size) {
+    recorded_allocs++;
+    return alloc(p, size, cudaMemoryTypeDevice);
+}
 cudaError_t cudaFree(void *p) { return release(p); }
-cudaError_t cudaMallocHost(void **p, size_t size) { return alloc(p, size, cudaMemoryTypeHost); }
+cudaError_t cudaMallocHost(void **p, size_t size) {
+    recorded_allocs++;
+    return alloc(p, size, cudaMemoryTypeHost);
+}
 cudaError_t cudaFreeHost(void *p) { return release(p); }
 
 // As CUDA 11 and later: memory the runtime does not know is cudaMemoryTypeUnregistered, with
@@ -1498,26 +1522,33 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *a, const void *ptr) 
 }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind) {
+    record("cudaMemcpy", 0);
     if (count) memmove(dst, src, count);
     return pending();
 }
 
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind kind,
-                            cudaStream_t) {
-    return cudaMemcpy(dst, src, count, kind);
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind,
+                            cudaStream_t s) {
+    record("cudaMemcpyAsync", s);
+    if (count) memmove(dst, src, count);
+    return pending();
 }
 
 cudaError_t cudaMemset(void *p, int value, size_t count) {
+    record("cudaMemset", 0);
     memset(p, value, count);
     return cudaSuccess;
 }
 
-cudaError_t cudaMemsetAsync(void *p, int value, size_t count, cudaStream_t) {
-    return cudaMemset(p, value, count);
+cudaError_t cudaMemsetAsync(void *p, int value, size_t count, cudaStream_t s) {
+    record("cudaMemsetAsync", s);
+    memset(p, value, count);
+    return cudaSuccess;
 }
 
 cudaError_t cudaMemset2DAsync(void *p, size_t pitch, int value, size_t width, size_t height,
-                              cudaStream_t) {
+                              cudaStream_t s) {
+    record("cudaMemset2DAsync", s);
     if (height > 1 && pitch < width) return cudaErrorInvalidValue;
     for (size_t r = 0; r < height; r++) memset((char *)p + r * pitch, value, width);
     return cudaSuccess;
@@ -1525,12 +1556,14 @@ cudaError_t cudaMemset2DAsync(void *p, size_t pitch, int value, size_t width, si
 
 cudaError_t cudaMemcpyToSymbol(const void *symbol, const void *src, size_t count, size_t offset,
                                cudaMemcpyKind) {
+    record("cudaMemcpyToSymbol", 0);
     memcpy((char *)symbol + offset, src, count);
     return cudaSuccess;
 }
 
 cudaError_t cudaMemcpyFromSymbol(void *dst, const void *symbol, size_t count, size_t offset,
                                  cudaMemcpyKind) {
+    record("cudaMemcpyFromSymbol", 0);
     memcpy(dst, (const char *)symbol + offset, count);
     return cudaSuccess;
 }
@@ -1551,7 +1584,10 @@ cudaError_t cudaStreamSynchronize(cudaStream_t) { return pending(); }
 cudaError_t cudaStreamQuery(cudaStream_t s) {
     return stall_flag(s) ? cudaErrorNotReady : pending();
 }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t, unsigned) {
+    record("cudaStreamWaitEvent", s);
+    return cudaSuccess;
+}
 
 cudaError_t cudaEventCreate(cudaEvent_t *e) {
     *e = new CUevent_st{std::chrono::steady_clock::now()};
@@ -1565,7 +1601,8 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
     return cudaSuccess;
 }
 
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    record("cudaEventRecord", s);
     if (!e) return cudaErrorInvalidResourceHandle;
     e->t = std::chrono::steady_clock::now();
     return cudaSuccess;

@@ -53,6 +53,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 // A block's fibers share one OS thread and an OS thread runs one block at a time, so a
 // thread-local static is exactly one copy per running block. Its contents carry over from the
@@ -103,6 +104,24 @@ void uly_emu_stall_stream(cudaStream_t s, bool stalled);
 // Test hook: the opt-in shared memory per block the device reports and cudaFuncSetAttribute
 // accepts, as on a smaller GPU (sm_86 and sm_89: 99 KB); 0 restores the H100's 227 KB.
 void uly_emu_set_smem_optin(size_t bytes);
+
+// Test hooks: what the calling host thread asked of the device since it last called
+// uly_emu_record_reset (or since it started), so a test can check that a library call queues its
+// work on the caller's stream and allocates nothing. The record is per host thread, as the
+// default stream is: each rank thread models its own GPU. It holds every operation CUDA orders on
+// a stream, with that stream: kernel launches, cudaMemcpyAsync, cudaMemsetAsync,
+// cudaMemset2DAsync, cudaEventRecord and cudaStreamWaitEvent on the stream they name; cudaMemcpy,
+// cudaMemset and the symbol copies on the default stream (0), which they synchronize with. And it
+// counts allocations: cudaMalloc and cudaMallocHost (the runtime's other allocators, such as
+// cudaMallocAsync, are not emulated, so code that calls them does not link).
+struct uly_emu_op {
+    const char *what;     // the kernel as written at its launch, or the runtime function
+    const void *kernel;   // the kernel's address, to compare with the kernel itself; else null
+    cudaStream_t stream;  // 0: the default stream
+};
+void uly_emu_record_reset();
+std::vector<uly_emu_op> uly_emu_recorded_ops();
+unsigned long long uly_emu_recorded_allocs();
 
 // Cost counters for bench/bench_emu.cu: fiber switches since the process started.
 unsigned long long uly_emu_switches();
@@ -316,6 +335,7 @@ struct uly_emu_grid {
     const void *fn;         // the kernel's address, the key of cudaFuncSetAttribute
     dim3 grid, block;
     size_t smem;
+    cudaStream_t stream;    // only recorded (uly_emu_recorded_ops): the launch runs at once
     void (*run)(const void *ctx);  // calls the kernel with the launch's arguments
     const void *ctx;
 };
@@ -338,8 +358,9 @@ template <typename... P> struct uly__launcher {
 
 template <typename... P>
 uly__launcher<P...> uly__launch(void (*kernel)(P...), const char *name, dim3 grid, dim3 block,
-                                size_t smem, cudaStream_t) {
-    return {{name, reinterpret_cast<const void *>(kernel), grid, block, smem, nullptr, nullptr},
+                                size_t smem, cudaStream_t stream) {
+    return {{name, reinterpret_cast<const void *>(kernel), grid, block, smem, stream, nullptr,
+             nullptr},
             kernel};
 }
 
