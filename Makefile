@@ -317,7 +317,7 @@ TEST_BINS += $(CUDA_BENCHES:%=$(BUILD)/emu/%)
 # fails if any flash kernel spills registers. test_cublaslt checks the cuBLASLt attention and
 # flash's agreement with it: under the emulator against tests/emu/cublaslt_emu.cpp (a double of
 # the documented GEMM), and on a GPU against the real library.
-FLASH_HDRS = ulysses.h ulysses_cuda.cuh tests/flash_case.h \
+FLASH_HDRS = ulysses.h ulysses_cuda.cuh tests/flash_case.h tests/ref64.h \
              $(EMU_HDRS)
 
 $(BUILD)/test_flash: tests/test_flash.cu $(FLASH_HDRS) $(EMU_OBJ)

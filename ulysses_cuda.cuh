@@ -1063,7 +1063,9 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
     return uly__ok();
 }
 
-/* A one-value allreduce on the default stream, waited for. */
+/* A one-value allreduce, waited for, on the per-thread default stream: the legacy one would
+   also wait for every other blocking stream's work, another communicator's collectives among
+   them, which can tie two communicators into a deadlock. */
 static uly_status uly__nccl_barrier(void *ctx) {
     uly_nccl *n = (uly_nccl *)ctx;
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "barrier: uly_nccl.scratch is NULL (it needs %d "
@@ -1903,11 +1905,14 @@ static int64_t uly__fa_workspace(void *ctx, const uly_attn_args *a) {
     return uly__fa_align(rows * 4) + (a->deterministic ? 0 : uly__fa_align(rows * a->q.d * 4));
 }
 
-/* The flash kernels and the backward pre- and post-passes move 16-byte chunks of rows. */
+/* The flash kernels and the backward pre- and post-passes move 16-byte chunks of rows. The
+   stride of a dim of extent 1 is never applied (a decode step's [B, 1, H, D] view may have any
+   ss), so only the others must keep rows aligned. */
 static uly_status uly__fa_rows16(const uly_tensor &t, const char *name) {
-    ULY__CHECK((uintptr_t)t.data % 16 == 0 && t.sb % 8 == 0 && t.ss % 8 == 0 && t.sh % 8 == 0,
+    ULY__CHECK((uintptr_t)t.data % 16 == 0 && (t.b == 1 || t.sb % 8 == 0) &&
+                   (t.s == 1 || t.ss % 8 == 0) && (t.h == 1 || t.sh % 8 == 0),
                ULY_EUNSUPPORTED, "%s: rows move in 16-byte chunks: the address must be 16-byte "
-               "aligned and the strides multiples of 8 elements", name);
+               "aligned and the strides (of dims longer than 1) multiples of 8 elements", name);
     return uly__ok();
 }
 
@@ -1926,6 +1931,9 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     ULY__CHECK(a->q.s <= 1 << 30 && a->k.s <= 1 << 30, ULY_EOVERFLOW,
                "q.s (%lld), k.s (%lld): at most 2^30, so positions and tile ends fit in int32",
                ULY__LL(a->q.s), ULY__LL(a->k.s));
+    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535 && a->k.h <= 65535, ULY_EUNSUPPORTED,
+               "q.b (%lld), q.h (%lld), k.h (%lld): at most 65535 each, the grid's y and z limit",
+               ULY__LL(a->q.b), ULY__LL(a->q.h), ULY__LL(a->k.h));
     ULY__CHECK(a->softmax_scale >= 0, ULY_EUNSUPPORTED,
                "softmax_scale (%g): the flash kernels take a positive scale (0: 1/sqrt(D))",
                (double)a->softmax_scale);

@@ -1,12 +1,15 @@
 /* flash_case.h - the harness of the attention kernel tests (test_flash.cu, emulated and on a
-   GPU; test_cublaslt.cu): cases, seeded inputs rounded to the dtype, the fp64 and plain-precision
-   references, device tensors (dense or padded), one forward + backward run of a uly_attn, and
-   the accuracy rule. Include after ulysses_cuda.cuh (with its implementation) and check.h. */
+   GPU; test_cublaslt.cu): cases, inputs rounded to the dtype and seeded by the case itself, the
+   fp64 and plain-precision references, device tensors (dense or padded), one forward + backward
+   run of a uly_attn, and the accuracy rule. Include after ulysses_cuda.cuh (with its
+   implementation) and check.h. */
 #ifndef ULY_FLASH_CASE_H
 #define ULY_FLASH_CASE_H
 
 #include <string>
 #include <vector>
+
+#include "ref64.h"
 
 typedef std::vector<float> fvec;
 typedef std::vector<double> dvec;
@@ -19,15 +22,17 @@ typedef struct fcase {
     int deterministic;
     int64_t q_head0, kv_group; /* 0, 0: whole tensors */
     float magnitude;   /* q and k uniform in [-magnitude, magnitude); 0 means 1 */
+    float scale;       /* softmax_scale; 0 means 1/sqrt(D) */
 } fcase;
 
 static const char *dt_name(uly_dtype t) { return t == ULY_BF16 ? "bf16" : "f16"; }
 
 static std::string describe(const fcase &c) {
-    char s[200];
-    snprintf(s, sizeof s, "%s D=%lld B=%lld Sq=%lld Sk=%lld H=%lld Hkv=%lld%s%s%s", dt_name(c.dt),
+    char s[200], scale[32] = "";
+    if (c.scale) snprintf(scale, sizeof scale, " scale=%g", (double)c.scale);
+    snprintf(s, sizeof s, "%s D=%lld B=%lld Sq=%lld Sk=%lld H=%lld Hkv=%lld%s%s%s%s", dt_name(c.dt),
              (long long)c.D, (long long)c.B, (long long)c.Sq, (long long)c.Sk, (long long)c.H,
-             (long long)c.Hkv, c.causal ? " causal" : "", c.strided ? " strided" : "",
+             (long long)c.Hkv, scale, c.causal ? " causal" : "", c.strided ? " strided" : "",
              c.deterministic ? " deterministic" : "");
     return s;
 }
@@ -43,14 +48,24 @@ static int64_t kv_of(const fcase &c, int64_t h) {
     return (c.q_head0 + h) / kv_group(c) - c.q_head0 / kv_group(c);
 }
 
-static uint64_t rng_state = 88172645463325252ull;
-static float uniform(void) { /* in [-1, 1) */
-    rng_state ^= rng_state << 13, rng_state ^= rng_state >> 7, rng_state ^= rng_state << 17;
-    return (float)((double)(rng_state >> 40) / (double)(1 << 23) - 1.0);
+static double softmax_scale(const fcase &c) { return c.scale ? c.scale : 1.0 / sqrt((double)c.D); }
+
+/* The seed of a case's inputs, a hash (FNV-1a) of every field: a case's data does not depend on
+   what ran before it, so ULY_TEST_FILTER reproduces a failure. */
+static uint64_t case_seed(const fcase &c) {
+    uint32_t magnitude, scale;
+    memcpy(&magnitude, &c.magnitude, 4), memcpy(&scale, &c.scale, 4);
+    const int64_t v[] = {c.B, c.Sq, c.Sk, c.H, c.Hkv, c.D, c.causal, c.dt, c.strided,
+                         c.deterministic, c.q_head0, c.kv_group, magnitude, scale};
+    uint64_t h = 14695981039346656037ull;
+    for (int64_t f : v)
+        for (int i = 0; i < 8; i++) h = (h ^ (uint8_t)((uint64_t)f >> (8 * i))) * 1099511628211ull;
+    return h;
 }
-static fvec random_values(int64_t n, uly_dtype t, float scale) {
+
+static fvec random_values(ref_rng *r, int64_t n, uly_dtype t, float scale) {
     fvec x((size_t)n);
-    for (auto &v : x) v = round_to(t, scale * uniform());
+    for (auto &v : x) v = round_to(t, scale * ref_uniform(r));
     return x;
 }
 
@@ -59,18 +74,28 @@ typedef struct inputs {
 } inputs;
 
 /* ---------------------------------------------------------------------------------------------
-   The references: one sequence (b) of dense [S, H, D] arrays. With round_to the dtype after
-   every step this is lowp; with rnd = identity it is ref64. */
+   The references: one sequence (b) of dense [S, H, D] arrays, computed in fp64 and rounded after
+   every step as a rounding says: not at all (ref64), or to the dtype (lowp). */
 
 typedef struct outputs {
     dvec o, lse, dq, dk, dv;
 } outputs;
 
+static double exact(uly_dtype, double x) { return x; }
+static double rounded(uly_dtype t, double x) { return round_to(t, x); }
+
+/* How a reference rounds the scores S and every other step (P, O, dP, dS, dQ, dK, dV). */
+typedef struct rounding {
+    double (*scores)(uly_dtype, double);
+    double (*rest)(uly_dtype, double);
+} rounding;
+static const rounding exact_rounding = {exact, exact}, dtype_rounding = {rounded, rounded};
+
 static void reference_seq(const fcase &c, int64_t sq, int64_t sk, const float *q, const float *k,
-                          const float *v, const float *dout, double (*rnd)(uly_dtype, double),
-                          double *o, double *lse, double *dq, double *dk, double *dv) {
+                          const float *v, const float *dout, const rounding &r, double *o,
+                          double *lse, double *dq, double *dk, double *dv) {
     const int64_t H = c.H, Hkv = c.Hkv, D = c.D;
-    const double scale = 1.0 / sqrt((double)D);
+    const double scale = softmax_scale(c);
     dvec s((size_t)sk), p((size_t)sk), dp((size_t)sk);
     for (int64_t h = 0; h < H; h++) {
         const int64_t hk = kv_of(c, h);
@@ -81,25 +106,25 @@ static void reference_seq(const fcase &c, int64_t sq, int64_t sk, const float *q
                 const bool kept = !c.causal || j <= i + sk - sq;
                 double dot = 0;
                 for (int64_t d = 0; d < D; d++) dot += (double)qi[d] * k[(j * Hkv + hk) * D + d];
-                s[j] = kept ? rnd(c.dt, dot * scale) : -INFINITY;
+                s[j] = kept ? r.scores(c.dt, dot * scale) : -INFINITY;
                 mx = fmax(mx, s[j]);
             }
             double sum = 0;
             for (int64_t j = 0; j < sk; j++) sum += mx == -INFINITY ? 0 : exp(s[j] - mx);
             const double l = mx == -INFINITY ? INFINITY : mx + log(sum);
             lse[h * sq + i] = l;
-            for (int64_t j = 0; j < sk; j++) p[j] = rnd(c.dt, exp(s[j] - l));
+            for (int64_t j = 0; j < sk; j++) p[j] = r.rest(c.dt, exp(s[j] - l));
             double dsum = 0;
             for (int64_t d = 0; d < D; d++) {
                 double acc = 0;
                 for (int64_t j = 0; j < sk; j++) acc += p[j] * v[(j * Hkv + hk) * D + d];
-                o[(i * H + h) * D + d] = rnd(c.dt, acc);
+                o[(i * H + h) * D + d] = r.rest(c.dt, acc);
                 dsum += (double)doi[d] * o[(i * H + h) * D + d];
             }
             for (int64_t j = 0; j < sk; j++) {
                 double acc = 0;
                 for (int64_t d = 0; d < D; d++) acc += (double)doi[d] * v[(j * Hkv + hk) * D + d];
-                dp[j] = rnd(c.dt, p[j] * (rnd(c.dt, acc) - dsum)); /* dS */
+                dp[j] = r.rest(c.dt, p[j] * (r.rest(c.dt, acc) - dsum)); /* dS */
             }
             for (int64_t j = 0; j < sk; j++)
                 for (int64_t d = 0; d < D; d++) {
@@ -111,13 +136,11 @@ static void reference_seq(const fcase &c, int64_t sq, int64_t sk, const float *q
     }
 }
 
-static double exact(uly_dtype, double x) { return x; }
-static double rounded(uly_dtype t, double x) { return round_to(t, x); }
-
 /* Documents: cu[b] .. cu[b + 1] rows of the packed arrays (dense: cu = 0, S, 2S, ...). */
 /* lse is [B, H, Sq], or [H, total_q] for varlen. */
-static outputs reference(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
-                         bool varlen, const inputs &in, bool lowp) {
+static outputs reference_with(const fcase &c, const std::vector<int> &cu_q,
+                              const std::vector<int> &cu_k, bool varlen, const inputs &in,
+                              const rounding &rnd) {
     const fvec &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
     outputs r;
     const int64_t nq = cu_q.back(), nk = cu_k.back(), docs = (int64_t)cu_q.size() - 1;
@@ -128,23 +151,29 @@ static outputs reference(const fcase &c, const std::vector<int> &cu_q, const std
         const int64_t q0 = cu_q[b], k0 = cu_k[b], sq = cu_q[b + 1] - q0, sk = cu_k[b + 1] - k0;
         const int64_t qo = q0 * c.H * c.D, ko = k0 * c.Hkv * c.D;
         lse.assign((size_t)(sq * c.H), 0);
-        reference_seq(c, sq, sk, &q[qo], &k[ko], &v[ko], &dout[qo], lowp ? rounded : exact,
-                      &r.o[qo], lse.data(), &r.dq[qo], &r.dk[ko], &r.dv[ko]);
+        reference_seq(c, sq, sk, &q[qo], &k[ko], &v[ko], &dout[qo], rnd, &r.o[qo], lse.data(),
+                      &r.dq[qo], &r.dk[ko], &r.dv[ko]);
         for (int64_t h = 0; h < c.H; h++)
             for (int64_t i = 0; i < sq; i++)
                 r.lse[(size_t)(varlen ? h * nq + q0 + i : (b * c.H + h) * sq + i)] = lse[h * sq + i];
     }
-    if (lowp)
-        for (dvec *x : {&r.dq, &r.dk, &r.dv})
-            for (auto &e : *x) e = round_to(c.dt, e);
+    for (dvec *x : {&r.dq, &r.dk, &r.dv})
+        for (auto &e : *x) e = rnd.rest(c.dt, e);
     return r;
 }
 
+/* ref64 (lowp false) or lowp (true). */
+static outputs reference(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
+                         bool varlen, const inputs &in, bool lowp) {
+    return reference_with(c, cu_q, cu_k, varlen, in, lowp ? dtype_rounding : exact_rounding);
+}
+
 /* ---------------------------------------------------------------------------------------------
-   Device tensors: dense, or padded (heads D + 8 apart, rows and batches padded by 8 more). Every
-   allocation has 8 elements past its last batch too. What lies outside the view (the padding)
-   holds pad_bits, a NaN in bf16 and fp16: a kernel that reads it poisons its results, and one
-   that writes it is caught by padding_written. */
+   Device tensors: dense, or padded (heads D + 8 apart, rows and batches padded by 8 more; a dim
+   of extent 1 has stride 1 instead, which no kernel may apply). Every allocation has 8 elements
+   past its last batch too. What lies outside the view (the padding) holds pad_bits, a NaN in bf16
+   and fp16: a kernel that reads it poisons its results, and one that writes it is caught by
+   padding_written. */
 
 static const uint16_t pad_bits = 0xffff;
 
@@ -158,6 +187,11 @@ static dev_tensor dev_alloc(uly_dtype dt, int64_t b, int64_t s, int64_t h, int64
     x.t = uly_dense(NULL, dt, b, s, h, d);
     if (strided) x.t.sh = d + 8, x.t.ss = h * (d + 8) + 8, x.t.sb = s * x.t.ss + 8;
     x.elems = b * x.t.sb + 8;
+    if (strided) {
+        if (b == 1) x.t.sb = 1;
+        if (s == 1) x.t.ss = 1;
+        if (h == 1) x.t.sh = 1;
+    }
     CHECK(cudaMalloc(&x.t.data, (size_t)(x.elems * uly_dtype_size(dt))) == cudaSuccess, "malloc");
     const size_t bytes = (size_t)(x.elems * uly_dtype_size(dt));
     CHECK(cudaMemset(x.t.data, pad_bits & 0xff, bytes) == cudaSuccess, "set");
@@ -258,7 +292,7 @@ static uly_varlen varlen_on_device(const std::vector<int> &cu_q, const std::vect
    in *lse. */
 static bool run_kernels(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
                         bool varlen, const uly_attn &fa, uly_attn_args a, fvec *lse) {
-    a.causal = c.causal, a.deterministic = c.deterministic;
+    a.causal = c.causal, a.deterministic = c.deterministic, a.softmax_scale = c.scale;
     a.q_head0 = c.q_head0, a.kv_group = c.kv_group;
     const int64_t nlse = a.q.b * c.H * a.q.s;
     cudaMalloc((void **)&a.lse, (size_t)(nlse > 0 ? nlse : 1) * 4);
@@ -325,7 +359,8 @@ static outputs run_cpu(const fcase &c, const inputs &in) {
     a.dq = uly_dense(dq.data(), ULY_F32, c.B, c.Sq, c.H, c.D);
     a.dk = uly_dense(dk.data(), ULY_F32, c.B, c.Sk, c.Hkv, c.D);
     a.dv = uly_dense(dv.data(), ULY_F32, c.B, c.Sk, c.Hkv, c.D);
-    a.lse = lse.data(), a.causal = c.causal, a.q_head0 = c.q_head0, a.kv_group = c.kv_group;
+    a.lse = lse.data(), a.causal = c.causal, a.softmax_scale = c.scale;
+    a.q_head0 = c.q_head0, a.kv_group = c.kv_group;
     const uly_attn cpu = uly_cpu_attention();
     std::vector<char> ws((size_t)cpu.workspace(cpu.ctx, &a) + 1);
     a.workspace = ws.data();
@@ -349,11 +384,15 @@ template <typename G, typename W> static double max_err(const G &got, const W &w
     return m;
 }
 
+/* q, k, v, dout of nq query and nk key rows, drawn in that order from case_seed(c). */
 static inputs make_inputs(const fcase &c, int64_t nq, int64_t nk) {
     const float m = c.magnitude ? c.magnitude : 1.f;
+    ref_rng r = ref_seed(case_seed(c));
     inputs in;
-    in.q = random_values(nq * c.H * c.D, c.dt, m), in.k = random_values(nk * c.Hkv * c.D, c.dt, m);
-    in.v = random_values(nk * c.Hkv * c.D, c.dt, 1), in.dout = random_values(nq * c.H * c.D, c.dt, 1);
+    in.q = random_values(&r, nq * c.H * c.D, c.dt, m);
+    in.k = random_values(&r, nk * c.Hkv * c.D, c.dt, m);
+    in.v = random_values(&r, nk * c.Hkv * c.D, c.dt, 1);
+    in.dout = random_values(&r, nq * c.H * c.D, c.dt, 1);
     return in;
 }
 
@@ -386,11 +425,14 @@ static void check_lse(const fcase &c, const run_out &got, const outputs &r64) {
           max_err(got.lse, r64.lse));
 }
 
-/* The accuracy rule for every output, against ref64 (and cpu, when given), and lse. */
+/* The accuracy rule for every output, against ref64 (and cpu, when given), and lse. A plain
+   reference that overflowed (base = inf) would pass anything: it is a failure of the case. */
 static void check_outputs(const fcase &c, const run_out &got, const outputs &r64,
                           const outputs &low, const outputs *cpu) {
     for (const field &f : fields) {
         const double err = max_err(got.*f.got, r64.*f.want), base = max_err(low.*f.want, r64.*f.want);
+        CHECK(std::isfinite(base), "%s: the plain %s reference's %s is not finite: no bound",
+              describe(c).c_str(), dt_name(c.dt), f.name);
         CHECK(err <= 2 * base + 1e-3, "%s: %s max error %.3g > 2 * %.3g + 1e-3 (plain %s)",
               describe(c).c_str(), f.name, err, base, dt_name(c.dt));
         if (!cpu) continue;
@@ -418,22 +460,30 @@ static inline run_out check_case(const fcase &c) {
 }
 
 /* ---------------------------------------------------------------------------------------------
-   The shape matrix: lengths 1, 17, 64, 65, 127, 128, 129, 130 (1000 in a few tests); Sq == Sk,
-   Sq < Sk and Sq > Sk, each causal and not; GQA groups 1, 2 and 8; B > 1. */
-static const struct shape {
+   The shape matrix: lengths 1, 17, 64, 65, 127, 128, 129, 130, 200 (1000 in a few tests);
+   Sq == Sk, Sq < Sk and Sq > Sk, each causal and not; a decode step (Sq = 1 against 200 keys)
+   and a single key (Sk = 1); GQA groups 1, 2 and 8; B > 1, causal and not; softmax_scale 0.3
+   and 1.7 (causal and not) besides the default 1/sqrt(D). */
+typedef struct shape {
     int64_t B, Sq, Sk, H, Hkv;
     int causal;
+} shape;
+
+static const struct matrix_shape {
+    shape s;
+    float scale; /* softmax_scale, 0: 1/sqrt(D) */
 } shapes[] = {
-    {1, 1, 1, 1, 1, 1},      {2, 17, 17, 2, 1, 0}, {1, 64, 64, 2, 2, 1},  {1, 127, 129, 8, 1, 1},
-    {2, 128, 128, 2, 1, 0}, {1, 129, 64, 2, 2, 1}, {1, 17, 129, 1, 1, 0}, {1, 129, 129, 2, 1, 1},
-    {1, 130, 65, 4, 2, 0},
+    {{1, 1, 1, 1, 1, 1}, 0},       {{2, 17, 17, 2, 1, 1}, 0},     {{1, 64, 64, 2, 2, 1}, 0.3f},
+    {{1, 127, 129, 8, 1, 1}, 0},   {{2, 128, 128, 2, 1, 0}, 0},   {{1, 129, 64, 2, 2, 1}, 1.7f},
+    {{1, 17, 129, 1, 1, 0}, 0},    {{1, 129, 129, 2, 1, 1}, 0},   {{1, 130, 65, 4, 2, 0}, 1.7f},
+    {{1, 1, 200, 2, 1, 1}, 0},     {{1, 65, 1, 2, 2, 0}, 0},
 };
 
-static inline fcase make_case(const shape &s, int64_t D, uly_dtype dt) {
+static inline fcase make_case(const shape &s, int64_t D, uly_dtype dt, float scale = 0) {
     fcase c;
     memset(&c, 0, sizeof c);
     c.B = s.B, c.Sq = s.Sq, c.Sk = s.Sk, c.H = s.H, c.Hkv = s.Hkv, c.D = D, c.causal = s.causal;
-    c.dt = dt;
+    c.dt = dt, c.scale = scale;
     return c;
 }
 

@@ -4,7 +4,8 @@
    - The GEMM as the attention uses it (row-major operands through cuBLASLt's column-major
      layouts, transposes, a batch stride of 0, ld > rows, fp32 output from 16-bit inputs,
      beta = 1 accumulation) equals the product written out from the cuBLASLt documentation.
-   - On the shape matrix of test_flash.cu, bf16 and fp16, D = 64 and 128, the cuBLASLt path meets
+   - On the shape matrix of test_flash.cu (softmax_scale 0.3 and 1.7 in three of its shapes, a
+     decode step, a single key), bf16 and fp16, D = 64 and 128, the cuBLASLt path meets
      the accuracy rule against fp64 (flash_case.h), and flash agrees with it within the same
      bound (twice the error of a plain attention in that precision, plus 1e-3). Strided tensors,
      a GQA group split across SP ranks and rows that keep no key too.
@@ -36,8 +37,9 @@ TEST(gemm_as_the_attention_calls_it) {
     enum { M = 3, N = 5, K = 4, LDX = 6, B = 2 };
     float x[B * M * LDX], y[N * K], want[B * M * N];
     __nv_bfloat16 xb[B * M * LDX], yb[N * K];
-    for (int i = 0; i < B * M * LDX; i++) x[i] = round_to(ULY_BF16, uniform()), xb[i] = x[i];
-    for (int i = 0; i < N * K; i++) y[i] = round_to(ULY_BF16, uniform()), yb[i] = y[i];
+    ref_rng r = ref_seed(1);
+    for (int i = 0; i < B * M * LDX; i++) x[i] = round_to(ULY_BF16, ref_uniform(&r)), xb[i] = x[i];
+    for (int i = 0; i < N * K; i++) y[i] = round_to(ULY_BF16, ref_uniform(&r)), yb[i] = y[i];
     for (int b = 0; b < B; b++)
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++) {
@@ -82,7 +84,7 @@ static void agree(const fcase &c) {
 TEST(cublaslt_agrees_with_flash) {
     for (uly_dtype dt : {ULY_BF16, ULY_F16})
         for (int64_t D : {64, 128})
-            for (const shape &s : shapes) agree(make_case(s, D, dt));
+            for (const matrix_shape &m : shapes) agree(make_case(m.s, D, dt, m.scale));
 }
 
 /* Padded strides; local heads 1..3 of groups of 2 (a group split across SP ranks); Sq > Sk,
@@ -133,8 +135,11 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
     a.k = a.v = a.dk = a.dv = a.q;
     st = lt.fwd(lt.ctx, &a);
     CHECK(st.code == ULY_EINVAL && strstr(st.msg, "workspace is NULL"), "'%s'", st.msg);
-    /* The backward's Dsum pass reads o and dout in 16-byte chunks. */
+    /* The backward's Dsum pass reads o and dout in 16-byte chunks: two rows (a stride of a dim
+       of extent 1 is never applied, and may be anything). */
     a.workspace = buf;
+    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 2, 1, 8);
+    a.k = a.v = a.dk = a.dv = a.q;
     a.o.data = buf + 2;
     st = lt.bwd(lt.ctx, &a);
     CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "o: rows move in 16-byte chunks"),

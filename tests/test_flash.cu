@@ -10,6 +10,8 @@
    ref64 is at most twice lowp's max error plus 1e-3; the kernel also agrees with cpu within the
    same bound. lse must be within 1e-3 (plus 1e-6 relative) of ref64, and +inf exactly where no
    key is kept.
+   Each case's inputs are seeded by the case itself (flash_case.h's case_seed), so a failing case
+   has the same data when ULY_TEST_FILTER runs it alone.
    Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu).
    ULY_TEST_FILTER selects tests by name, e.g. ULY_TEST_FILTER=d128; ULY_FLASH_VERBOSE=1 prints
    every case's errors. Under the emulator main() asks for twice as many threads as the machine
@@ -29,9 +31,63 @@
 /* ---------------------------------------------------------------------------------------------
    Tests */
 
+/* ref64.h's attention on c's inputs, laid out as reference() lays out its outputs. A slice of
+   query heads (0 < q_head0 < kv_group) is, for ref64, the last H of q_head0 + H heads whose
+   first q_head0 have q = dout = 0: those add nothing to dK and dV, and their rows are dropped. */
+static outputs ref64_of(const fcase &c, const inputs &in) {
+    const int64_t pre = c.q_head0, Hg = pre + c.H, D = c.D, rows = c.B * c.Sq;
+    const ref_shape s = {c.B, c.Sq, c.Sk, Hg, c.Hkv, D, c.causal, c.scale};
+    fvec q((size_t)(rows * Hg * D), 0.f), dout = q;
+    for (int64_t i = 0; i < rows * c.H * D; i++) {
+        const int64_t g = (i / D / c.H * Hg + pre + i / D % c.H) * D + i % D;
+        q[(size_t)g] = in.q[(size_t)i], dout[(size_t)g] = in.dout[(size_t)i];
+    }
+    dvec o(q.size()), lse((size_t)(rows * Hg)), dq(q.size());
+    outputs r;
+    r.dk.resize(in.k.size()), r.dv.resize(in.k.size());
+    ref64_forward(&s, q.data(), in.k.data(), in.v.data(), o.data(), lse.data());
+    ref64_backward(&s, q.data(), in.k.data(), in.v.data(), dout.data(), dq.data(), r.dk.data(),
+                   r.dv.data());
+    for (int64_t i = 0; i < rows * c.H * D; i++) {
+        const int64_t g = (i / D / c.H * Hg + pre + i / D % c.H) * D + i % D;
+        r.o.push_back(o[(size_t)g]), r.dq.push_back(dq[(size_t)g]);
+    }
+    for (int64_t b = 0; b < c.B; b++) /* lse [B, H, Sq] */
+        r.lse.insert(r.lse.end(), &lse[(size_t)((b * Hg + pre) * c.Sq)],
+                     &lse[(size_t)((b * Hg + Hg) * c.Sq)]);
+    return r;
+}
+
+/* The fp64 reference of these tests (flash_case.h's reference_seq, which lowp shares) is the
+   attention of ref64.h, which test_torch holds to PyTorch: GQA with B > 1, causal with Sq < Sk
+   and Sq > Sk (its first rows keep no key: lse +inf, zeros), softmax_scale 0.3 and 1.7, and a
+   slice of query heads that splits a kv group. */
+TEST(fp64_reference_agrees_with_ref64) {
+    const struct {
+        shape s;
+        float scale;
+        int64_t q_head0, kv_group;
+    } cases[] = {{{2, 9, 13, 4, 2, 1}, 0, 0, 0},
+                 {{1, 13, 5, 2, 1, 1}, 0.3f, 0, 0},
+                 {{2, 7, 7, 3, 3, 0}, 1.7f, 0, 0},
+                 {{1, 11, 11, 3, 2, 1}, 0, 1, 2}};
+    for (const auto &x : cases) {
+        fcase c = make_case(x.s, 64, ULY_BF16, x.scale);
+        c.q_head0 = x.q_head0, c.kv_group = x.kv_group;
+        const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+        const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
+        const outputs got = reference(c, cq, ck, false, in, false), want = ref64_of(c, in);
+        for (const field &f : fields)
+            CHECK(max_err(got.*f.want, want.*f.want) <= 1e-12, "%s: %s differs from ref64 by %.3g",
+                  describe(c).c_str(), f.name, max_err(got.*f.want, want.*f.want));
+        CHECK(max_err(got.lse, want.lse) <= 1e-12, "%s: lse differs from ref64 by %.3g",
+              describe(c).c_str(), max_err(got.lse, want.lse));
+    }
+}
+
 static void matrix(uly_dtype dt, int64_t D, int deterministic) {
-    for (const shape &s : shapes) {
-        fcase c = make_case(s, D, dt);
+    for (const matrix_shape &m : shapes) {
+        fcase c = make_case(m.s, D, dt, m.scale);
         c.deterministic = deterministic;
         check_case(c);
     }
@@ -96,6 +152,34 @@ TEST(strided_inputs) {
         }
 }
 
+/* Padded views whose dims of extent 1 have stride 1, not a multiple of 8: a decode step (q, o,
+   dout, dq [2, 1, 2, 64] with ss = 1, against 200 keys; k, v, dk, dv [2, 200, 1, 64] with
+   sh = 1) and a single key (k, v, dk, dv [2, 1, 1, 128] with ss = sh = 1). A stride that is never
+   applied may be anything: the calls run and meet the accuracy rule. */
+TEST(any_stride_on_dims_of_extent_1) {
+    const struct {
+        shape s;
+        int64_t D;
+        uly_dtype dt;
+    } runs[] = {{{2, 1, 200, 2, 1, 1}, 64, ULY_BF16}, {{2, 65, 1, 2, 1, 0}, 128, ULY_F16}};
+    for (const auto &x : runs) {
+        fcase c = make_case(x.s, x.D, x.dt);
+        c.strided = 1;
+        check_case(c);
+    }
+}
+
+/* q and k uniform in [-4, 4): logits of standard deviation 16 / 3, so a row's running maximum
+   moves by several units between key tiles (300 keys: five forward tiles) and the online softmax
+   rescales what it has by factors far from 1. The accuracy rule as everywhere. */
+TEST(moderate_logits_rescale_between_tiles) {
+    for (uly_dtype dt : {ULY_BF16, ULY_F16}) {
+        fcase c = make_case({1, 130, 300, 1, 1, dt == ULY_BF16}, dt == ULY_BF16 ? 64 : 128, dt);
+        c.magnitude = 4;
+        check_case(c);
+    }
+}
+
 /* An SP rank holding global query heads 1..3 of groups of 2: local heads 0 | 1, 2 read local kv
    heads 0 | 1, so one group is split across ranks. */
 TEST(gqa_group_split_across_ranks) {
@@ -121,39 +205,57 @@ TEST(fully_masked_rows_are_zero_with_inf_lse) {
     }
 }
 
-/* Logits of magnitude ~1e4 (q, k uniform in [-170, 170), D = 64): exp never overflows. The
-   accuracy rule is no use here: plain bf16 or fp16 rounds such logits by several units, so its
-   error, and with it the bound, is as often large as not. Instead a bound from the kernels' own
-   rounding: the two largest logits of a row are typically hundreds apart, so P is one-hot and o
-   is exactly a row of V. Near a tie, the logits' fp32 error (~1e-3: sums of products up to 3e4)
-   moves P by about as much, and so o, dV and dS, which dQ and dK multiply by |k| / sqrt(D) and
-   |q| / sqrt(D), ~21. So o and dV must be within 2e-2 of ref64 (times their largest magnitude
-   where above 1: dV sums rows of dO), dQ and dK within 4e-2 * 170 / sqrt(D); 240 random draws
-   stayed within a quarter of that. A wrong maximum, an overflow or a row mixed with the wrong
-   keys is off by O(1) of those units. */
-TEST(large_logits_do_not_overflow) {
+/* Logits up to +-1e4 that differ between the keys of a row by a few units only, so the softmax
+   is not one-hot and every output and gradient is O(1) or more. Every key is K0 = 48 in each
+   channel plus x, -x in pairs of channels (48 +- x stays in [32, 64], exact in both dtypes), so
+   every key's channel sum is D * K0; each channel of query row i is a_i, of either sign, plus a
+   value in [-3, 3). The logits of row i all gain a_i * D * K0 * scale (up to +-1e4), which the
+   softmax does not see; what differs between keys is scale * q_i . x_j, a few units.
+   bf16 and fp16 space values near 1e4 by 64 and 8, so the plain reference, which rounds S to the
+   dtype, is no bound here. The kernels keep S in fp32: each score is summed over D / 16 <= 8 MMA
+   steps, each rounding at up to its magnitude, so it is off by at most 4 fp32 ulps (8 where
+   the hardware truncates). The bound is the accuracy rule against a reference that rounds S to
+   20 significant bits (off by up to 8 ulps) and every other step to the dtype. A wrong running
+   maximum or rescale, an overflow, or a dS that loses the offset is off by O(1). */
+static double to_20_bits(uly_dtype, double x) {
+    if (x == 0 || !std::isfinite(x)) return x;
+    const int e = std::ilogb(x) - 19;
+    return std::ldexp(std::nearbyint(std::ldexp(x, -e)), e);
+}
+
+/* Inputs of c with row offsets reaching `logit` in the logits, as above. */
+static inputs offset_inputs(const fcase &c, double logit) {
+    inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+    const double K0 = 48, a = logit / (c.D * K0 * softmax_scale(c));
+    ref_rng r = ref_seed(case_seed(c) + 1);
+    for (size_t j = 0; j < in.k.size(); j += 2) {
+        const float x = round_to(c.dt, K0 + in.k[j]);
+        in.k[j] = x, in.k[j + 1] = (float)(2 * K0 - x);
+    }
+    for (size_t row = 0; row < in.q.size() / c.D; row++) {
+        const double u = ref_uniform(&r), ai = (u < 0 ? -a : a) * (0.5 + 0.5 * fabs(u));
+        for (int64_t d = 0; d < c.D; d++) {
+            float &x = in.q[row * c.D + d];
+            x = round_to(c.dt, ai + x);
+        }
+    }
+    return in;
+}
+
+TEST(large_logits_keep_fp32_accuracy) {
+    const rounding fp32_scores = {to_20_bits, rounded};
     for (uly_dtype dt : {ULY_BF16, ULY_F16})
         for (int causal : {0, 1}) {
-            fcase c = make_case({1, 70, 70, 1, 1, causal}, 64, dt);
-            c.magnitude = 170;
-            const inputs in = make_inputs(c, c.Sq, c.Sk);
+            fcase c = make_case({1, 130, 130, 1, 1, causal}, dt == ULY_BF16 ? 64 : 128, dt);
+            c.magnitude = 3;
+            const inputs in = offset_inputs(c, 1e4);
             const std::vector<int> cq = dense_cu(1, c.Sq), ck = dense_cu(1, c.Sk);
             const run_out r = run_attn(c, cq, ck, false, in, uly_flash_attention());
             if (!r.ok) continue;
-            const outputs r64 = reference(c, cq, ck, false, in, false);
-            check_lse(c, r, r64);
             CHECK(nonfinite_outputs(r) == 0, "%s: %d outputs are not finite", describe(c).c_str(),
                   nonfinite_outputs(r));
-            for (const field &f : fields) {
-                const dvec &want = r64.*f.want;
-                const bool through_ds = f.want == &outputs::dq || f.want == &outputs::dk;
-                const double bound =
-                    through_ds ? 4e-2 * c.magnitude / sqrt((double)c.D)
-                               : 2e-2 * std::max(1.0, max_err(dvec(want.size(), 0.0), want));
-                const double err = max_err(r.*f.got, want);
-                CHECK(err <= bound, "%s: %s max error %.3g > %.3g", describe(c).c_str(), f.name,
-                      err, bound);
-            }
+            check_outputs(c, r, reference(c, cq, ck, false, in, false),
+                          reference_with(c, cq, ck, false, in, fp32_scores), NULL);
         }
 }
 
@@ -404,6 +506,147 @@ TEST(rejects_what_the_kernels_do_not_take) {
     a.q = a.k = a.v = a.o = uly_dense(buf + 1, ULY_BF16, 1, 4, 1, 64);
     st = fa.fwd(fa.ctx, &a);
     CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "16-byte"), "misaligned: %s", st.msg);
+}
+
+/* Arguments every flash call takes: eight padded bf16 tensors of one shape [B, S, H, 64] (q, k,
+   v, o, dout, dq, dk, dv; strides multiples of 8), lse, and the backward's workspace, on the
+   device. The misuse tests break one thing each; the checks come before any kernel reads
+   memory. */
+typedef struct flash_args {
+    uly_attn_args a;
+    dev_tensor x[8];
+} flash_args;
+
+static flash_args valid_args(int64_t B, int64_t S, int64_t H) {
+    flash_args f;
+    memset(&f, 0, sizeof f);
+    uly_tensor *const t[8] = {&f.a.q, &f.a.k, &f.a.v, &f.a.o, &f.a.dout, &f.a.dq, &f.a.dk, &f.a.dv};
+    for (int i = 0; i < 8; i++) f.x[i] = dev_alloc(ULY_BF16, B, S, H, 64, 1), *t[i] = f.x[i].t;
+    cudaMalloc((void **)&f.a.lse, (size_t)(B * H * S * 4));
+    const uly_attn fa = uly_flash_attention();
+    cudaMalloc(&f.a.workspace, (size_t)fa.workspace(fa.ctx, &f.a));
+    return f;
+}
+
+static void free_args(flash_args &f) {
+    for (dev_tensor &x : f.x) cudaFree(x.t.data);
+    cudaFree(f.a.lse), cudaFree(f.a.workspace);
+}
+
+/* st is code, its message naming what; else a failed check that says what was called. */
+static void expect_status(uly_status st, uly_code code, const char *what, const char *call) {
+    CHECK(st.code == code && strstr(st.msg, what), "%s: status %d '%s', want %d naming '%s'",
+          call, (int)st.code, st.msg, (int)code, what);
+}
+
+/* The misuse tests' arguments are good as they stand: each rejection is the broken field's. */
+TEST(misuse_tests_start_from_args_that_run) {
+    flash_args f = valid_args(2, 16, 2);
+    const uly_attn fa = uly_flash_attention();
+    expect_status(fa.fwd(fa.ctx, &f.a), ULY_OK, "", "forward");
+    expect_status(fa.bwd(fa.ctx, &f.a), ULY_OK, "", "backward");
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
+    free_args(f);
+}
+
+/* The kernels take a positive scale (0: 1/sqrt(D)); a negative one is refused, not run. */
+TEST(rejects_a_negative_softmax_scale) {
+    flash_args f = valid_args(2, 16, 2);
+    const uly_attn fa = uly_flash_attention();
+    f.a.softmax_scale = -0.5f;
+    expect_status(fa.fwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "softmax_scale", "forward");
+    expect_status(fa.bwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "softmax_scale", "backward");
+    free_args(f);
+}
+
+/* The backward keeps Dsum and the fp32 dQ accumulator in the workspace, which must be there and
+   16-byte aligned; the forward uses none. */
+TEST(backward_rejects_a_null_or_misaligned_workspace) {
+    flash_args f = valid_args(2, 16, 2);
+    const uly_attn fa = uly_flash_attention();
+    void *const ws = f.a.workspace;
+    f.a.workspace = NULL;
+    expect_status(fa.bwd(fa.ctx, &f.a), ULY_EINVAL, "workspace", "backward, NULL workspace");
+    expect_status(fa.fwd(fa.ctx, &f.a), ULY_OK, "", "forward, NULL workspace");
+    f.a.workspace = (char *)ws + 8;
+    expect_status(fa.bwd(fa.ctx, &f.a), ULY_EINVAL, "workspace", "backward, workspace + 8 bytes");
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
+    f.a.workspace = ws;
+    free_args(f);
+}
+
+/* Batches and heads are the grid's z and y: at most 65535 each. One [65536, 1, 1, 64] buffer
+   serves as every tensor (and a [1, 1, 65536, 64] q, k of one head): it is never read. */
+TEST(rejects_batch_or_heads_past_the_grid_limit) {
+    void *buf;
+    float *lse;
+    cudaMalloc(&buf, (size_t)65536 * 64 * 2), cudaMalloc((void **)&lse, (size_t)65536 * 4);
+    const uly_attn fa = uly_flash_attention();
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = a.k = a.v = a.o = a.dout = a.dq = a.dk = a.dv = uly_dense(buf, ULY_BF16, 65536, 1, 1, 64);
+    a.lse = lse;
+    expect_status(fa.fwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "forward, q.b = 65536");
+    expect_status(fa.bwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "backward, q.b = 65536");
+    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 65536, 64);
+    a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, 1, 1, 1, 64);
+    expect_status(fa.fwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "forward, q.h = 65536");
+    expect_status(fa.bwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "backward, q.h = 65536");
+    cudaFree(buf), cudaFree(lse);
+}
+
+/* Rows move in 16-byte chunks: a stride of a dim longer than 1 that is not a multiple of 8
+   elements is refused, naming the tensor (a dim of extent 1 may have any stride:
+   any_stride_on_dims_of_extent_1). Padded [2, 16, 2, 64]: sh 72, ss 152, sb 2440, each made 4
+   smaller, still a view whose rows do not overlap. */
+TEST(rejects_strides_not_multiples_of_8) {
+    flash_args f = valid_args(2, 16, 2);
+    const uly_attn fa = uly_flash_attention();
+    const uly_attn_args good = f.a;
+    f.a.q.sh -= 4;
+    expect_status(fa.fwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "q: rows move in 16-byte", "q.sh 68");
+    f.a = good, f.a.k.ss -= 4;
+    expect_status(fa.fwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "k: rows move in 16-byte", "k.ss 148");
+    f.a = good, f.a.o.sb -= 4;
+    expect_status(fa.fwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "o: rows move in 16-byte", "o.sb 2436");
+    f.a = good, f.a.dk.sh -= 4;
+    expect_status(fa.bwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "dk: rows move in 16-byte", "dk.sh 68");
+    f.a = good;
+    free_args(f);
+}
+
+/* Varlen arguments the kernels cannot size a grid from are refused before the cu_seqlens check
+   runs: q.b must be 1, batch in [1, 65535], both cu_seqlens set, max_seqlen within the rows. */
+TEST(varlen_rejects_bad_arguments) {
+    flash_args f = valid_args(1, 70, 2);
+    int32_t *cu = NULL;
+    const uly_varlen good = varlen_on_device({0, 40, 70}, {0, 30, 70}, &cu);
+    expect_status(uly_flash_varlen_fwd(&f.a, &good), ULY_OK, "", "forward, good");
+    const struct {
+        const char *what;
+        int64_t batch, max_q, max_k;
+        bool no_cu_q, no_cu_k;
+    } bad[] = {{"batch 0", 0, 40, 40, false, false},
+               {"batch 65536", 65536, 40, 40, false, false},
+               {"cu_seqlens_q NULL", 2, 40, 40, true, false},
+               {"cu_seqlens_k NULL", 2, 40, 40, false, true},
+               {"max_seqlen_q 71", 2, 71, 40, false, false},
+               {"max_seqlen_k 71", 2, 40, 71, false, false}};
+    for (const auto &x : bad) {
+        uly_varlen vl = good;
+        vl.batch = x.batch, vl.max_seqlen_q = x.max_q, vl.max_seqlen_k = x.max_k;
+        if (x.no_cu_q) vl.cu_seqlens_q = NULL;
+        if (x.no_cu_k) vl.cu_seqlens_k = NULL;
+        expect_status(uly_flash_varlen_fwd(&f.a, &vl), ULY_EINVAL, "varlen", x.what);
+        expect_status(uly_flash_varlen_bwd(&f.a, &vl), ULY_EINVAL, "varlen", x.what);
+    }
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
+    free_args(f);
+    flash_args two = valid_args(2, 70, 2); /* q.b = 2 */
+    expect_status(uly_flash_varlen_fwd(&two.a, &good), ULY_EINVAL, "varlen", "q.b 2");
+    expect_status(uly_flash_varlen_bwd(&two.a, &good), ULY_EINVAL, "varlen", "q.b 2");
+    free_args(two);
+    cudaFree(cu);
 }
 
 int main(void) {
