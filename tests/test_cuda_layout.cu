@@ -144,14 +144,18 @@ static side side_of(const uly_plan *p, const lcase *c, int rank, uly_xchg x, int
     return t;
 }
 
-static void check_one(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unpack, form f) {
-    uly_plan p;
+static uly_status plan_of(const lcase *c, int rank, uly_dtype t, uly_plan *p) {
     uly_plan_desc d;
     memset(&d, 0, sizeof d);
     d.world_size = c->P, d.rank = rank, d.sp_size = c->P;
     d.batch = c->B, d.seq_len = c->S, d.n_heads = c->H, d.n_kv_heads = c->Hkv;
     d.head_dim = c->D, d.dtype = t;
-    uly_status st = uly_plan_init(&p, &d);
+    return uly_plan_init(p, &d);
+}
+
+static void check_one(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unpack, form f) {
+    uly_plan p;
+    uly_status st = plan_of(c, rank, t, &p);
     CHECK(!st.code, "plan: %s", st.msg);
     if (st.code) return;
 
@@ -219,12 +223,7 @@ static std::vector<uly_emu_op> record_one(const lcase *c, int rank, uly_dtype t,
                                           int unpack, form f, cudaStream_t s,
                                           unsigned long long *allocs) {
     uly_plan p;
-    uly_plan_desc d;
-    memset(&d, 0, sizeof d);
-    d.world_size = c->P, d.rank = rank, d.sp_size = c->P;
-    d.batch = c->B, d.seq_len = c->S, d.n_heads = c->H, d.n_kv_heads = c->Hkv;
-    d.head_dim = c->D, d.dtype = t;
-    uly_status st = uly_plan_init(&p, &d);
+    uly_status st = plan_of(c, rank, t, &p);
     CHECK(!st.code, "plan: %s", st.msg);
     const side sd = side_of(&p, c, rank, x, unpack);
     buf tb = buf_new(tensor_bytes(f, t, c->B, sd.s, sd.h, c->D, sd.nq, sd.nkv));
