@@ -157,13 +157,9 @@ TEST(strided_inputs) {
    sh = 1) and a single key (k, v, dk, dv [2, 1, 1, 128] with ss = sh = 1). A stride that is never
    applied may be anything: the calls run and meet the accuracy rule. */
 TEST(any_stride_on_dims_of_extent_1) {
-    const struct {
-        shape s;
-        int64_t D;
-        uly_dtype dt;
-    } runs[] = {{{2, 1, 200, 2, 1, 1}, 64, ULY_BF16}, {{2, 65, 1, 2, 1, 0}, 128, ULY_F16}};
-    for (const auto &x : runs) {
-        fcase c = make_case(x.s, x.D, x.dt);
+    const fcase runs[] = {make_case({2, 1, 200, 2, 1, 1}, 64, ULY_BF16),
+                          make_case({2, 65, 1, 2, 1, 0}, 128, ULY_F16)};
+    for (fcase c : runs) {
         c.strided = 1;
         check_case(c);
     }
