@@ -2168,8 +2168,11 @@ static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__l
         st = uly__lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op[1],
                                                     sizeof op[1]), "TRANSB");
     for (int i = 0; i < 3 && !st.code; i++) {
+        /* cuBLASLt wants ld >= a row's length even for one row, whose ld is never applied
+           (a decode step's query may have any row stride). */
+        const int64_t ld = m[i]->rows > 1 ? m[i]->ld : m[i]->cols;
         st = uly__lt(cublasLtMatrixLayoutCreate(&l[i], m[i]->t, (uint64_t)m[i]->cols,
-                                                (uint64_t)m[i]->rows, m[i]->ld),
+                                                (uint64_t)m[i]->rows, ld),
                      "cublasLtMatrixLayoutCreate");
         if (!st.code)
             st = uly__lt(cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,

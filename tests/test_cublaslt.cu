@@ -8,7 +8,8 @@
      decode step, a single key), bf16 and fp16, D = 64 and 128, the cuBLASLt path meets
      the accuracy rule against fp64 (flash_case.h), and flash agrees with it within the same
      bound (twice the error of a plain attention in that precision, plus 1e-3). Strided tensors,
-     a GQA group split across SP ranks and rows that keep no key too.
+     a GQA group split across SP ranks, rows that keep no key, and dims of extent 1 with strides
+     smaller than a row (a decode step's view) too.
    - Head dims the flash kernels do not take (8, 96, 256) meet the accuracy rule; others are a
      named error, as are backward o and dout rows not in 16-byte chunks. A kv head no query head
      reads gets zero gradients. Where the flash backward needs more shared memory than the GPU
@@ -97,6 +98,18 @@ TEST(cublaslt_strided_split_group_masked_rows) {
     c.q_head0 = 1, c.kv_group = 2;
     agree(c);
     agree(make_case({1, 150, 20, 2, 1, 1}, 64, ULY_BF16));
+}
+
+/* test_flash's padded views whose dims of extent 1 have stride 1: a decode step (q rows 1
+   element apart, D = 64) and a single key (k rows and heads 1 element apart). cuBLASLt wants a
+   leading dimension of at least a row's length even for one row; uly__lt_gemm gives it one. */
+TEST(cublaslt_any_stride_on_dims_of_extent_1) {
+    const fcase runs[] = {make_case({2, 1, 200, 2, 1, 1}, 64, ULY_BF16),
+                          make_case({2, 65, 1, 2, 1, 0}, 128, ULY_F16)};
+    for (fcase c : runs) {
+        c.strided = 1;
+        agree(c);
+    }
 }
 
 /* Two query heads of a group of 2 and two kv heads: kv head 1 is read by no query head, so its
