@@ -239,10 +239,10 @@ $(BUILD)/gpu/sp_attention_nccl: examples/sp_attention_nccl.cu $(CUDA_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) $(NCCL_INC) $(MPI_CUFLAGS) -x cu $< -o $@ $(MPI_CULIBS) \
 	    $(NCCL_LIBS)
-$(BUILD)/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h
+$(BUILD)/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -c $< -o $@
-$(BUILD)/asan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h
+$(BUILD)/asan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(SAN) -c $< -o $@
 $(BUILD)/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_OBJ) \
@@ -418,7 +418,7 @@ TESTS     += $(BUILD)/tsan/test_race $(BUILD)/tsan/test_cuda_layout
 TESTS     += 'ULY_TEST_FILTER=$(TSAN_LAYER) $(BUILD)/tsan/test_cuda_layer'
 TESTS     += 'ULY_TEST_FILTER=$(TSAN_FLASH) $(BUILD)/tsan/test_flash'
 ifeq ($(HAVE_NCCL),1)
-$(BUILD)/tsan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h
+$(BUILD)/tsan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(TSAN) -c $< -o $@
 $(BUILD)/tsan/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_TSAN_OBJ) \

@@ -247,7 +247,9 @@ typedef uly_status (*sp_runner)(int size, void (*fn)(const uly_comm *comm, void 
                                 void *user);
 
 /* The layer on P ranks of run's communicator against the attention run unsharded on the GPU,
-   and in f32 against the unsharded CPU reference. */
+   and in f32 against the unsharded CPU reference. Emulated, each rank's uly_forward and
+   uly_backward, the communicator's calls included, queue only on its stream and allocate
+   nothing. */
 static void check_layer(const sp_case *c, uly_dtype t, sp_runner run) {
     sp_full layer = sp_alloc(c, 7), whole = sp_alloc(c, 7), cpu = sp_alloc(c, 7);
     sp_full *all[3] = {&layer, &whole, &cpu};
@@ -261,6 +263,14 @@ static void check_layer(const sp_case *c, uly_dtype t, sp_runner run) {
     uly_status st = run(c->P, rank_main, &j);
     for (int r = 0; r < c->P && !st.code; r++) st = j.st[r];
     uly_status ws = gpu_attention(c, t, &whole, 1);
+#ifdef ULY_EMU
+    for (int r = 0; r < c->P && !st.code; r++)
+        CHECK(j.calls[r].ops > 0 && !j.calls[r].off_stream && !j.calls[r].allocs,
+              "%s " SP_CASE_FMT ": rank %d queued %lld operations, %s not on its stream, and "
+              "allocated %llu times", dtype_name(t), SP_CASE_ARGS(c), r,
+              (long long)j.calls[r].ops, j.calls[r].off_stream ? j.calls[r].off_stream : "none",
+              j.calls[r].allocs);
+#endif
     CHECK(!st.code && !ws.code, "%s " SP_CASE_FMT ": layer '%s', unsharded '%s'", dtype_name(t),
           SP_CASE_ARGS(c), st.msg, ws.msg);
     if (st.code || ws.code) goto done;

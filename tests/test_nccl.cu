@@ -7,7 +7,8 @@
      reference (sp_cuda_case.h's check_layer). Where S, H and Hkv divide by P every block of
      every exchange has one size on every rank, and the layer calls alltoall: ncclAlltoAll; with
      uneven S none does, and alltoallv moves all with grouped ncclSend/ncclRecv. The double's
-     call counts prove which path ran.
+     call counts prove which path ran, and its record (each NCCL call with its stream) that
+     every exchange was queued on the layer's stream.
    - alltoallv: every byte lands where the counts and offsets say and no other byte is written,
      through one ncclSend and one ncclRecv per non-empty block, never ncclAlltoAll (a collective
      all ranks would have to choose alike): for uniform counts, uneven counts with empty blocks,
@@ -16,7 +17,7 @@
      until uly_nccl_wait's timeout) is ULY_ECOMM on both ranks. alltoall: one ncclAlltoAll per
      rank.
    - allreduce_sum: device memory directly, host memory through scratch in chunks of
-     ULY_NCCL_SCRATCH, every rank getting the same sum; without scratch, host memory and barrier
+     ULY_NCCL_SCRATCH, every rank getting the same sum, all on the caller's stream; without scratch, host memory and barrier
      are ULY_EUNSUPPORTED; barrier returns on no rank before every rank has called it; both
      give up on a stalled stream after uly_nccl.timeout_s.
    - uly_nccl_split: SP groups of consecutive ranks and DP groups across them (sizes, ranks and
@@ -377,16 +378,25 @@ static double rank_order_sum(int P, int64_t i) {
     return s;
 }
 
-/* allreduce_sum of n values, in device memory or in host memory; the results into got. */
-static uly_status sum(const uly_comm *c, int64_t n, int on_device, double *got) {
+/* allreduce_sum of n values, in device memory or in host memory, on a stream of the rank's own;
+   the results into got, and into off_stream the operations it queued elsewhere (emulated). */
+static uly_status sum(const uly_comm *c, int64_t n, int on_device, double *got, int *off_stream) {
     for (int64_t i = 0; i < n; i++) got[i] = sum_value(c->rank, i);
-    if (!on_device) return c->allreduce_sum(c->ctx, got, n, NULL);
-    double *dev;
-    cudaMalloc((void **)&dev, (size_t)n * sizeof(double));
-    cudaMemcpy(dev, got, (size_t)n * sizeof(double), cudaMemcpyHostToDevice);
-    uly_status st = c->allreduce_sum(c->ctx, dev, n, NULL);
-    cudaMemcpy(got, dev, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost);
+    double *dev = NULL;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    if (on_device) {
+        cudaMalloc((void **)&dev, (size_t)n * sizeof(double));
+        cudaMemcpy(dev, got, (size_t)n * sizeof(double), cudaMemcpyHostToDevice);
+    }
+    uly_emu_record_reset();
+    uly_status st = c->allreduce_sum(c->ctx, on_device ? dev : got, n, s);
+    *off_stream = 0;
+    for (const uly_emu_op &op : uly_emu_recorded_ops()) *off_stream += op.stream != s;
+    cudaStreamSynchronize(s);
+    if (on_device) cudaMemcpy(got, dev, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost);
     cudaFree(dev);
+    cudaStreamDestroy(s);
     return st;
 }
 
@@ -395,17 +405,18 @@ typedef struct sum_job {
     int on_device;
     fault f;
     uly_status st[4];
+    int off_stream[4];
     double got[4][SUM_MAX];
 } sum_job;
 
 static void sum_main(const uly_comm *c, void *user) {
     sum_job *j = (sum_job *)user;
     inject(c, &j->f);
-    j->st[c->rank] = sum(c, j->n, j->on_device, j->got[c->rank]);
+    j->st[c->rank] = sum(c, j->n, j->on_device, j->got[c->rank], &j->off_stream[c->rank]);
 }
 
 /* P = 1..4: every rank gets the rank-order sum, bit for bit, from `chunks` ncclAllReduce calls
-   per rank. */
+   per rank, all its work on its stream. */
 static void check_sum(int64_t n, int on_device, int chunks) {
     for (int P = 1; P <= 4; P++) {
         sum_job j;
@@ -416,7 +427,8 @@ static void check_sum(int64_t n, int on_device, int chunks) {
         CHECK(!st.code, "P=%d: %s", P, st.msg);
         int64_t wrong = 0;
         for (int r = 0; r < P; r++) {
-            CHECK(!j.st[r].code, "P=%d rank %d: %s", P, r, j.st[r].msg);
+            CHECK(!j.st[r].code && !j.off_stream[r], "P=%d rank %d: '%s', %d operations not "
+                  "on the caller's stream", P, r, j.st[r].msg, j.off_stream[r]);
             for (int64_t i = 0; i < n; i++) wrong += j.got[r][i] != rank_order_sum(P, i);
         }
         const unsigned long long a = calls("ncclAllReduce") - a0;
@@ -448,7 +460,8 @@ static void bare_main(const uly_comm *c, void *user) {
     double host[2] = {1, 2};
     j->host[c->rank] = b.allreduce_sum(b.ctx, host, 2, NULL);
     j->barrier[c->rank] = b.barrier(b.ctx);
-    j->dev[c->rank] = sum(&b, 1, 1, &j->got[c->rank]);
+    int off_stream;
+    j->dev[c->rank] = sum(&b, 1, 1, &j->got[c->rank], &off_stream);
 }
 
 TEST(without_scratch_host_memory_and_barrier_are_unsupported) {

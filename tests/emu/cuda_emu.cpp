@@ -1394,6 +1394,9 @@ void uly_emu_record_reset() {
     recorded_allocs = 0;
 }
 std::vector<uly_emu_op> uly_emu_recorded_ops() { return recorded_ops; }
+void uly_emu_record_op(const char *what, cudaStream_t s) {
+    recorded_ops.push_back(uly_emu_op{what, nullptr, s});
+}
 unsigned long long uly_emu_recorded_allocs() { return recorded_allocs; }
 
 unsigned long long uly_emu_switches() { return total_switches; }
@@ -1469,10 +1472,6 @@ cudaError_t release(void *p) {
     return cudaSuccess;
 }
 
-// A runtime call CUDA orders on stream s (0: the default stream), for uly_emu_recorded_ops.
-void record(const char *what, cudaStream_t s) {
-    recorded_ops.push_back(uly_emu_op{what, nullptr, s});
-}
 
 // The default stream's stall flag is per host thread: each rank thread models its own GPU.
 thread_local bool default_stalled = false;
@@ -1522,33 +1521,33 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *a, const void *ptr) 
 }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind) {
-    record("cudaMemcpy", 0);
+    uly_emu_record_op("cudaMemcpy", 0);
     if (count) memmove(dst, src, count);
     return pending();
 }
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind,
                             cudaStream_t s) {
-    record("cudaMemcpyAsync", s);
+    uly_emu_record_op("cudaMemcpyAsync", s);
     if (count) memmove(dst, src, count);
     return pending();
 }
 
 cudaError_t cudaMemset(void *p, int value, size_t count) {
-    record("cudaMemset", 0);
+    uly_emu_record_op("cudaMemset", 0);
     memset(p, value, count);
     return cudaSuccess;
 }
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t count, cudaStream_t s) {
-    record("cudaMemsetAsync", s);
+    uly_emu_record_op("cudaMemsetAsync", s);
     memset(p, value, count);
     return cudaSuccess;
 }
 
 cudaError_t cudaMemset2DAsync(void *p, size_t pitch, int value, size_t width, size_t height,
                               cudaStream_t s) {
-    record("cudaMemset2DAsync", s);
+    uly_emu_record_op("cudaMemset2DAsync", s);
     if (height > 1 && pitch < width) return cudaErrorInvalidValue;
     for (size_t r = 0; r < height; r++) memset((char *)p + r * pitch, value, width);
     return cudaSuccess;
@@ -1556,14 +1555,14 @@ cudaError_t cudaMemset2DAsync(void *p, size_t pitch, int value, size_t width, si
 
 cudaError_t cudaMemcpyToSymbol(const void *symbol, const void *src, size_t count, size_t offset,
                                cudaMemcpyKind) {
-    record("cudaMemcpyToSymbol", 0);
+    uly_emu_record_op("cudaMemcpyToSymbol", 0);
     memcpy((char *)symbol + offset, src, count);
     return cudaSuccess;
 }
 
 cudaError_t cudaMemcpyFromSymbol(void *dst, const void *symbol, size_t count, size_t offset,
                                  cudaMemcpyKind) {
-    record("cudaMemcpyFromSymbol", 0);
+    uly_emu_record_op("cudaMemcpyFromSymbol", 0);
     memcpy(dst, (const char *)symbol + offset, count);
     return cudaSuccess;
 }
@@ -1585,7 +1584,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
     return stall_flag(s) ? cudaErrorNotReady : pending();
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t, unsigned) {
-    record("cudaStreamWaitEvent", s);
+    uly_emu_record_op("cudaStreamWaitEvent", s);
     return cudaSuccess;
 }
 
@@ -1602,7 +1601,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-    record("cudaEventRecord", s);
+    uly_emu_record_op("cudaEventRecord", s);
     if (!e) return cudaErrorInvalidResourceHandle;
     e->t = std::chrono::steady_clock::now();
     return cudaSuccess;

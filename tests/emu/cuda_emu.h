@@ -111,9 +111,10 @@ void uly_emu_set_smem_optin(size_t bytes);
 // default stream is: each rank thread models its own GPU. It holds every operation CUDA orders on
 // a stream, with that stream: kernel launches, cudaMemcpyAsync, cudaMemsetAsync,
 // cudaMemset2DAsync, cudaEventRecord and cudaStreamWaitEvent on the stream they name; cudaMemcpy,
-// cudaMemset and the symbol copies on the default stream (0), which they synchronize with. And it
-// counts allocations: cudaMalloc and cudaMallocHost (the runtime's other allocators, such as
-// cudaMallocAsync, are not emulated, so code that calls them does not link).
+// cudaMemset and the symbol copies on the default stream (0), which they synchronize with; and
+// what the other doubles add with uly_emu_record_op (tests/emu/nccl_emu.cpp: every NCCL call that
+// names a stream). And it counts allocations: cudaMalloc and cudaMallocHost (the runtime's other
+// allocators, such as cudaMallocAsync, are not emulated, so code that calls them does not link).
 struct uly_emu_op {
     const char *what;     // the kernel as written at its launch, or the runtime function
     const void *kernel;   // the kernel's address, to compare with the kernel itself; else null
@@ -121,6 +122,7 @@ struct uly_emu_op {
 };
 void uly_emu_record_reset();
 std::vector<uly_emu_op> uly_emu_recorded_ops();
+void uly_emu_record_op(const char *what, cudaStream_t s);
 unsigned long long uly_emu_recorded_allocs();
 
 // Cost counters for bench/bench_emu.cu: fiber switches since the process started.

@@ -19,10 +19,13 @@
 //   ncclAlltoAll, ncclAllReduce         ncclAllReduce: ncclSum of ncclFloat64, in place or not,
 //                                       summed in rank order (reproducible; so is NCCL's result
 //                                       on a fixed topology, not this order)
-// Emulator streams are synchronous, so an operation is complete when its call returns: a
-// collective blocks until every rank has called it (the last to arrive does it for all), a group
-// until its sends are received and its receives filled. A group posts its sends before it waits
-// on its receives, so exchanges in a group never deadlock, as NCCL promises.
+// Every call that names a stream is noted in the calling thread's record of stream-ordered work
+// (uly_emu_record_op, tests/emu/cuda_emu.h), with that stream, so tests can see that the library
+// queues its exchanges where it should. Emulator streams are synchronous, so an operation is
+// complete when its call returns: a collective blocks until every rank has called it (the last
+// to arrive does it for all), a group until its sends are received and its receives filled. A
+// group posts its sends before it waits on its receives, so exchanges in a group never deadlock,
+// as NCCL promises.
 //
 // Where NCCL would hang or corrupt memory, the double fails loudly instead. With
 // ncclInvalidUsage on every rank involved and the reason in ncclGetLastError: collectives that
@@ -36,6 +39,7 @@
 // Not modeled: the network and topology (algorithms, channels, timing), real asynchrony
 // (kernels still running after the call, nonblocking communicators and ncclInProgress), several
 // ranks on one thread, and failures other than the ones the test hooks inject.
+#include "cuda_emu.h"
 #include <nccl.h>
 
 #include "nccl_emu.h"
@@ -594,17 +598,20 @@ static ncclResult_t p2p(const char *call, bool send, void *buf, size_t count,
 }
 
 ncclResult_t ncclSend(const void *buf, size_t count, ncclDataType_t type, int peer,
-                      ncclComm_t comm, cudaStream_t) {
+                      ncclComm_t comm, cudaStream_t stream) {
+    uly_emu_record_op("ncclSend", stream);
     return grouped(p2p("ncclSend", true, const_cast<void *>(buf), count, type, peer, comm));
 }
 
 ncclResult_t ncclRecv(void *buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
-                      cudaStream_t) {
+                      cudaStream_t stream) {
+    uly_emu_record_op("ncclRecv", stream);
     return grouped(p2p("ncclRecv", false, buf, count, type, peer, comm));
 }
 
 ncclResult_t ncclAlltoAll(const void *send, void *recv, size_t count, ncclDataType_t type,
-                          ncclComm_t comm, cudaStream_t) {
+                          ncclComm_t comm, cudaStream_t stream) {
+    uly_emu_record_op("ncclAlltoAll", stream);
     if (ncclResult_t r = enter_work("ncclAlltoAll", comm)) return r;
     outside_group("ncclAlltoAll");
     if (!type_size(type))
@@ -616,7 +623,8 @@ ncclResult_t ncclAlltoAll(const void *send, void *recv, size_t count, ncclDataTy
 }
 
 ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
-                           ncclRedOp_t op, ncclComm_t comm, cudaStream_t) {
+                           ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+    uly_emu_record_op("ncclAllReduce", stream);
     if (ncclResult_t r = enter_work("ncclAllReduce", comm)) return r;
     outside_group("ncclAllReduce");
     if (type != ncclFloat64 || op != ncclSum)
