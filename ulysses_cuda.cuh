@@ -39,8 +39,8 @@
 
    WHAT IS HERE
        Layout kernels: every exchange is one launch of one kernel, a strided box copy. bf16,
-       fp16, fp32; 16-byte accesses where the tensor's address and strides allow, element
-       accesses otherwise; int64 indexing. A kv head that several ranks received comes back as
+       fp16, fp32; 16-, 8- or 4-byte accesses, the widest the tensor's address, strides and
+       rows allow, element accesses otherwise; int64 indexing. A kv head that several ranks received comes back as
        several gradient copies, which the DKV unpack sums in fp32 in peer order, rounding once.
 
        Communicators (uly_comm with device = 1: buffers are GPU memory, work on the given stream):
@@ -102,9 +102,9 @@ extern "C" {
 #endif
 
 /* Pack and unpack kernels, launched on the stream argument (a cudaStream_t). The tensor's
-   address must be a multiple of its element size; 16-byte accesses need 16-byte alignment of
-   the address, the strides and the rows (D * element size), and anything else takes the
-   element-wise path. ctx is unused. */
+   address must be a multiple of its element size. Accesses are 16 bytes where the address,
+   the strides and the rows (D * element size) are multiples of 16, else 8 or 4 bytes where
+   those are, else one element. ctx is unused. */
 ULYDEF uly_layout uly_cuda_layout(void);
 
 /* Runs fn(comm, user) on `size` threads, one per virtual rank of an SP group on the calling
@@ -496,7 +496,7 @@ __device__ __forceinline__ void uly__pos_add(uly__pos &p, const uly__pos &d, int
    the plain copies carry none of the sum's registers: 32 a thread, for full occupancy. */
 enum uly__copy_mode { ULY__PACK, ULY__UNPACK, ULY__UNPACK_SUM };
 
-/* Grid (blocks, boxes): the blocks of column j stride over box j, W elements per access. */
+/* Grid (blocks, boxes): the blocks of column j stride over box j, W elements an access. */
 template <typename T, int W, int MODE>
 __global__ void __launch_bounds__(ULY__COPY_THREADS, MODE == ULY__UNPACK_SUM ? 4 : 8)
     uly__box_copy(const uly__boxes x) {
@@ -555,11 +555,15 @@ static uly__boxes uly__boxes_of(const uly_plan *p, uly_xchg x, int unpack, uly_t
     return b;
 }
 
-/* 16-byte accesses: every address a thread forms is a multiple of 16. */
-static int uly__can_vectorize(const uly__boxes &b, int64_t elem) {
+/* The widest access, 16, 8 or 4 bytes (else one element), that divides every address a thread
+   forms: block offsets are multiples of a row's D elements, so the pointers, strides and D say
+   it. bf16 rows of D = 4 or 6 still move 8 or 4 bytes at a time, not 2. */
+static int64_t uly__access_bytes(const uly__boxes &b, int64_t elem) {
     uint64_t bits = (uint64_t)(uintptr_t)b.t | (uint64_t)(uintptr_t)b.buf;
     bits |= (uint64_t)((b.sb | b.ss | b.sh | b.dim) * elem);
-    return bits % 16 == 0;
+    int64_t w = 16;
+    while (w > elem && bits % (uint64_t)w) w /= 2;
+    return uly__max(w, elem);
 }
 
 typedef void (*uly__box_fn)(const uly__boxes);
@@ -569,9 +573,19 @@ template <typename T, int W> static uly__box_fn uly__box_kernel(int mode) {
                                  : uly__box_copy<T, W, ULY__UNPACK_SUM>;
 }
 
+/* The kernel moving `bytes` an access (uly__access_bytes). */
+template <typename T> static uly__box_fn uly__box_kernel_of(int64_t bytes, int mode) {
+    switch (bytes) {
+    case 16: return uly__box_kernel<T, 16 / sizeof(T)>(mode);
+    case 8: return uly__box_kernel<T, 8 / sizeof(T)>(mode);
+    case 4: return uly__box_kernel<T, 4 / sizeof(T)>(mode);
+    default: return uly__box_kernel<T, 1>(mode);
+    }
+}
+
 template <typename T>
 static uly_status uly__launch_boxes(const uly__boxes &b, int unpack, cudaStream_t s) {
-    const int64_t w = uly__can_vectorize(b, sizeof(T)) ? 16 / sizeof(T) : 1;
+    const int64_t bytes = uly__access_bytes(b, sizeof(T)), w = bytes / (int64_t)sizeof(T);
     int64_t most = 0; /* accesses in the largest box */
     for (int j = 0; j < b.n; j++) {
         most = uly__max(most, b.batch * b.width * b.count[j] * b.dim / w);
@@ -579,8 +593,7 @@ static uly_status uly__launch_boxes(const uly__boxes &b, int unpack, cudaStream_
     const int64_t blocks = uly__min((most + ULY__COPY_THREADS - 1) / ULY__COPY_THREADS,
                                     uly__max(1, ULY__COPY_BLOCKS / b.n));
     const int mode = !unpack ? ULY__PACK : b.shared ? ULY__UNPACK_SUM : ULY__UNPACK;
-    const uly__box_fn kernel =
-        w > 1 ? uly__box_kernel<T, 16 / sizeof(T)>(mode) : uly__box_kernel<T, 1>(mode);
+    const uly__box_fn kernel = uly__box_kernel_of<T>(bytes, mode);
     ULY_LAUNCH(kernel, dim3((unsigned)blocks, (unsigned)b.n), dim3(ULY__COPY_THREADS), 0, s, b);
     return uly__cuda(cudaGetLastError(), "layout kernel launch");
 }

@@ -9,8 +9,8 @@
    gradient copies of a shared kv head in bf16 and f16: both sides add in fp32 in peer order and
    round once. Under the emulator, which records what a call asks of the device: pack and unpack
    queue their work on the caller's stream only and allocate nothing, and they launch the
-   16-byte vector kernel where rows and buffers are 16-byte aligned, the element kernel where
-   they are not. Then the bad inputs, each a named error.
+   kernel of 16-byte accesses where rows and buffers are 16-byte aligned, of 8 or 4 bytes where
+   those are the widest they allow, of single elements otherwise. Then the bad inputs, each a named error.
    Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu). */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
@@ -268,7 +268,7 @@ static const lcase aligned = {2, 1, 8, 4, 1, 16}, odd = {2, 1, 8, 4, 1, 3};
 TEST(pack_and_unpack_queue_only_on_the_callers_stream) {
     cudaStream_t s;
     CHECK(cudaStreamCreate(&s) == cudaSuccess, "cudaStreamCreate");
-    for (const lcase *c : {&aligned, &odd}) /* the vector and the element kernels */
+    for (const lcase *c : {&aligned, &odd}) /* 16-byte and element accesses */
         each_call(c, ULY_BF16, DENSE, s,
                   [&](const std::vector<uly_emu_op> &ops, unsigned long long, const char *what) {
                       CHECK(!ops.empty(), "%s: nothing queued", what);
@@ -291,49 +291,60 @@ TEST(pack_and_unpack_allocate_nothing) {
     cudaStreamDestroy(s);
 }
 
-/* The box kernel's two paths: W = 16 / sizeof(T) elements (16 bytes) an access, or one. */
-typedef enum path { ELEMENT, VECTOR } path;
-
-/* Whether fn is uly__box_copy<T, W, mode> for some mode, W being path p's. */
-template <typename T> static bool is_box_copy(const void *fn, path p) {
-    enum { V = 16 / sizeof(T) };
-    const void *const vector[] = {(const void *)uly__box_copy<T, V, ULY__PACK>,
-                                  (const void *)uly__box_copy<T, V, ULY__UNPACK>,
-                                  (const void *)uly__box_copy<T, V, ULY__UNPACK_SUM>};
-    const void *const element[] = {(const void *)uly__box_copy<T, 1, ULY__PACK>,
-                                   (const void *)uly__box_copy<T, 1, ULY__UNPACK>,
-                                   (const void *)uly__box_copy<T, 1, ULY__UNPACK_SUM>};
+/* Whether fn is uly__box_copy<T, W, mode> for some mode, W being `bytes` an access (or one
+   element where bytes is the element size). */
+template <typename T> static bool is_box_copy(const void *fn, int bytes) {
+    const void *const by_width[4][3] = {
+        {(const void *)uly__box_copy<T, 1, ULY__PACK>, (const void *)uly__box_copy<T, 1, ULY__UNPACK>,
+         (const void *)uly__box_copy<T, 1, ULY__UNPACK_SUM>},
+        {(const void *)uly__box_copy<T, 4 / sizeof(T), ULY__PACK>,
+         (const void *)uly__box_copy<T, 4 / sizeof(T), ULY__UNPACK>,
+         (const void *)uly__box_copy<T, 4 / sizeof(T), ULY__UNPACK_SUM>},
+        {(const void *)uly__box_copy<T, 8 / sizeof(T), ULY__PACK>,
+         (const void *)uly__box_copy<T, 8 / sizeof(T), ULY__UNPACK>,
+         (const void *)uly__box_copy<T, 8 / sizeof(T), ULY__UNPACK_SUM>},
+        {(const void *)uly__box_copy<T, 16 / sizeof(T), ULY__PACK>,
+         (const void *)uly__box_copy<T, 16 / sizeof(T), ULY__UNPACK>,
+         (const void *)uly__box_copy<T, 16 / sizeof(T), ULY__UNPACK_SUM>}};
+    const int row = bytes == 16 ? 3 : bytes == 8 ? 2 : bytes == 4 ? 1 : 0;
     for (int m = 0; m < 3; m++)
-        if (fn == (p == VECTOR ? vector : element)[m]) return true;
+        if (fn == by_width[row][m]) return true;
     return false;
 }
 
-static bool is_box_copy(uly_dtype t, const void *fn, path p) {
-    return t == ULY_F32    ? is_box_copy<float>(fn, p)
-           : t == ULY_BF16 ? is_box_copy<__nv_bfloat16>(fn, p)
-                           : is_box_copy<__half>(fn, p);
+static bool is_box_copy(uly_dtype t, const void *fn, int bytes) {
+    return t == ULY_F32    ? is_box_copy<float>(fn, bytes)
+           : t == ULY_BF16 ? is_box_copy<__nv_bfloat16>(fn, bytes)
+                           : is_box_copy<__half>(fn, bytes);
 }
 
-/* Every call of case c in form fm, in each dtype, launches the box kernel of path p only. */
-static void check_path(const lcase *c, form fm, path p) {
+/* Every call of case c in form fm launches the box kernel of bytes[t] an access only, in
+   dtypes[t] (f32, bf16, f16). */
+static void check_access(const lcase *c, form fm, const int bytes[3]) {
     for (int t = 0; t < 3; t++)
         each_call(c, dtypes[t], fm, 0,
                   [&](const std::vector<uly_emu_op> &ops, unsigned long long, const char *what) {
                       CHECK(!ops.empty(), "%s: nothing launched", what);
                       for (const uly_emu_op &op : ops)
-                          CHECK(is_box_copy(dtypes[t], op.kernel, p), "%s: launched %s, want "
-                                "the %s box kernel", what, op.what,
-                                p == VECTOR ? "16-byte" : "element");
+                          CHECK(is_box_copy(dtypes[t], op.kernel, bytes[t]), "%s: launched %s, "
+                                "want the box kernel of %d-byte accesses", what, op.what, bytes[t]);
                   });
 }
 
-TEST(aligned_rows_take_the_16_byte_path) {
-    for (form fm : {DENSE, FUSED, FUSED_K, HEADS_OUTER}) check_path(&aligned, fm, VECTOR);
+TEST(aligned_rows_take_16_byte_accesses) {
+    const int b16[3] = {16, 16, 16};
+    for (form fm : {DENSE, FUSED, FUSED_K, HEADS_OUTER}) check_access(&aligned, fm, b16);
 }
 
-TEST(misaligned_views_take_the_element_path) {
-    check_path(&aligned, SHIFTED, ELEMENT);
-    check_path(&odd, DENSE, ELEMENT);
+/* Rows of D = 4 (16 bytes in f32, 8 in bf16 and f16) and D = 6 (24 and 12 bytes); a view one
+   element in; D = 3 (12 bytes in f32, 6 in 16-bit). */
+TEST(narrower_rows_and_misaligned_views_take_the_widest_access_they_allow) {
+    const lcase d4 = {2, 1, 8, 4, 1, 4}, d6 = {2, 1, 8, 4, 1, 6};
+    const int b4[3] = {16, 8, 8}, b6[3] = {8, 4, 4}, b_elem[3] = {4, 2, 2};
+    check_access(&d4, DENSE, b4);
+    check_access(&d6, DENSE, b6);
+    check_access(&aligned, SHIFTED, b_elem);
+    check_access(&odd, DENSE, b_elem);
 }
 #endif
 
