@@ -414,7 +414,7 @@ static uly_status uly__cuda(cudaError_t e, const char *what) {
    boxes: big enough to keep every SM's memory pipes full, small enough to need no tail. */
 enum { ULY__COPY_THREADS = 256, ULY__COPY_BLOCKS = 2048 };
 
-/* The kernel's parameters, by value: the per-peer tables make them about 6 KB, which CUDA
+/* The kernel's parameters, by value: the per-peer tables make them about 7 KB, which CUDA
    allows since 12.1 (32 KB; 4 KB before), and they sit in constant memory, read by index. */
 struct uly__boxes {
     void *t, *buf;
@@ -426,7 +426,17 @@ struct uly__boxes {
     int merge;                 /* a row is all of a box's heads at one token: t's heads are
                                   adjacent (sh == D) and no two boxes share a head */
     int64_t start[ULY_MAX_SP], count[ULY_MAX_SP], off[ULY_MAX_SP]; /* split ranges, offsets */
+    int cols;                  /* grid columns: the boxes with something to write, */
+    int box[ULY_MAX_SP];       /* box[c] being column c's */
 };
+
+/* The first of box j's heads that it writes, counted from its start: summing, the heads it
+   shares with the previous box are that box's. */
+__host__ __device__ __forceinline__ int64_t uly__box_first(const uly__boxes &x, int j,
+                                                           bool summing) {
+    const int64_t prev_end = j > 0 ? x.start[j - 1] + x.count[j - 1] : 0;
+    return summing && prev_end > x.start[j] ? prev_end - x.start[j] : 0;
+}
 
 template <typename T, int W> struct alignas(sizeof(T) * W) uly__vec {
     T e[W];
@@ -496,21 +506,18 @@ __device__ __forceinline__ void uly__pos_add(uly__pos &p, const uly__pos &d, int
    the plain copies carry none of the sum's registers: 32 a thread, for full occupancy. */
 enum uly__copy_mode { ULY__PACK, ULY__UNPACK, ULY__UNPACK_SUM };
 
-/* Grid (blocks, boxes): the blocks of column j stride over box j, W elements an access. */
+/* Grid (blocks, columns): the blocks of column c stride over box x.box[c], W elements an
+   access. */
 template <typename T, int W, int MODE>
 __global__ void __launch_bounds__(ULY__COPY_THREADS, MODE == ULY__UNPACK_SUM ? 4 : 8)
     uly__box_copy(const uly__boxes x) {
     typedef uly__vec<T, W> V;
-    const int j = (int)blockIdx.y;
+    const int j = x.box[blockIdx.y]; /* not empty, and with heads of its own to write */
     const int64_t t0 = x.by_heads ? 0 : x.start[j], nt = x.by_heads ? x.width : x.count[j];
     const int64_t h0 = x.by_heads ? x.start[j] : 0, nh = x.by_heads ? x.count[j] : x.width;
-    /* Summing: the heads this box shares with the previous one are that box's to write. */
-    const int64_t h_first = MODE == ULY__UNPACK_SUM && j > 0
-                                ? max((int64_t)0, x.start[j - 1] + x.count[j - 1] - h0)
-                                : 0;
+    const int64_t h_first = uly__box_first(x, j, MODE == ULY__UNPACK_SUM);
     const int64_t row_heads = x.merge ? nh : 1, rows = x.merge ? 1 : nh - h_first;
     const int64_t nv = row_heads * x.dim / W; /* accesses per row */
-    if (x.batch * nt * nv == 0 || rows <= 0) return; /* empty, or all its heads an earlier box's */
     const T *t = (const T *)x.t + t0 * x.ss + h0 * x.sh;
     const T *blk = (const T *)x.buf + x.off[j];
     const uly__pos step = uly__pos_of((int64_t)gridDim.x * blockDim.x, nv, rows, nt);
@@ -552,6 +559,16 @@ static uly__boxes uly__boxes_of(const uly_plan *p, uly_xchg x, int unpack, uly_t
         b.shared |= j > 0 && r.start < b.start[j - 1] + b.count[j - 1];
     }
     b.merge = t.sh == t.d && !b.shared;
+    /* The grid's columns skip the boxes with nothing to write (empty, or summing, all their
+       heads an earlier box's: with MQA every box but the first), so their share of the blocks
+       goes to the boxes that copy. */
+    b.cols = 0;
+    for (int j = 0; j < b.n; j++) {
+        const int64_t nt = b.by_heads ? b.width : b.count[j];
+        const int64_t nh = b.by_heads ? b.count[j] : b.width;
+        if (b.batch * nt * b.dim > 0 && nh > uly__box_first(b, j, unpack && b.shared))
+            b.box[b.cols++] = j;
+    }
     return b;
 }
 
@@ -586,15 +603,16 @@ template <typename T> static uly__box_fn uly__box_kernel_of(int64_t bytes, int m
 template <typename T>
 static uly_status uly__launch_boxes(const uly__boxes &b, int unpack, cudaStream_t s) {
     const int64_t bytes = uly__access_bytes(b, sizeof(T)), w = bytes / (int64_t)sizeof(T);
-    int64_t most = 0; /* accesses in the largest box */
-    for (int j = 0; j < b.n; j++) {
-        most = uly__max(most, b.batch * b.width * b.count[j] * b.dim / w);
-    }
+    int64_t most = 0; /* accesses in the largest box a column copies */
+    for (int c = 0; c < b.cols; c++)
+        most = uly__max(most, b.batch * b.width * b.count[b.box[c]] * b.dim / w);
+    if (!b.cols) return uly__ok();
     const int64_t blocks = uly__min((most + ULY__COPY_THREADS - 1) / ULY__COPY_THREADS,
-                                    uly__max(1, ULY__COPY_BLOCKS / b.n));
+                                    uly__max(1, ULY__COPY_BLOCKS / b.cols));
     const int mode = !unpack ? ULY__PACK : b.shared ? ULY__UNPACK_SUM : ULY__UNPACK;
     const uly__box_fn kernel = uly__box_kernel_of<T>(bytes, mode);
-    ULY_LAUNCH(kernel, dim3((unsigned)blocks, (unsigned)b.n), dim3(ULY__COPY_THREADS), 0, s, b);
+    ULY_LAUNCH(kernel, dim3((unsigned)blocks, (unsigned)b.cols), dim3(ULY__COPY_THREADS), 0, s,
+               b);
     return uly__cuda(cudaGetLastError(), "layout kernel launch");
 }
 

@@ -1204,7 +1204,7 @@ void uly_emu_launch(const uly_emu_grid &g) {
             fprintf(stderr, "cuda_emu: seed %llu (set ULY_EMU_SEED=%llu to replay schedules)\n",
                     config().seed, config().seed);
     });
-    recorded_ops.push_back(uly_emu_op{g.name, g.fn, g.stream});
+    recorded_ops.push_back(uly_emu_op{g.name, g.fn, g.stream, g.grid});
     if (cudaError_t e = check_launch(g)) {
         set_error(e);
         return;
@@ -1395,7 +1395,7 @@ void uly_emu_record_reset() {
 }
 std::vector<uly_emu_op> uly_emu_recorded_ops() { return recorded_ops; }
 void uly_emu_record_op(const char *what, cudaStream_t s) {
-    recorded_ops.push_back(uly_emu_op{what, nullptr, s});
+    recorded_ops.push_back(uly_emu_op{what, nullptr, s, dim3(0, 0, 0)});
 }
 unsigned long long uly_emu_recorded_allocs() { return recorded_allocs; }
 

@@ -119,6 +119,7 @@ struct uly_emu_op {
     const char *what;     // the kernel as written at its launch, or the runtime function
     const void *kernel;   // the kernel's address, to compare with the kernel itself; else null
     cudaStream_t stream;  // 0: the default stream
+    dim3 grid;            // a launch's grid; 0 x 0 x 0 for the rest
 };
 void uly_emu_record_reset();
 std::vector<uly_emu_op> uly_emu_recorded_ops();
