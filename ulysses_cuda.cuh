@@ -40,8 +40,9 @@
    WHAT IS HERE
        Layout kernels: every exchange is one launch of one kernel, a strided box copy. bf16,
        fp16, fp32; 16-, 8- or 4-byte accesses, the widest the tensor's address, strides and
-       rows allow, element accesses otherwise; int64 indexing. A kv head that several ranks received comes back as
-       several gradient copies, which the DKV unpack sums in fp32 in peer order, rounding once.
+       rows allow, element accesses otherwise; int64 indexing. A kv head that several ranks
+       received comes back as several gradient copies, which the DKV unpack sums in fp32 in
+       peer order, rounding once.
 
        Communicators (uly_comm with device = 1: buffers are GPU memory, work on the given stream):
            uly_cuda_local_run   P virtual ranks on the current GPU, as threads (tests, benchmarks)
@@ -53,8 +54,9 @@
 
        Attention: uly_flash_attention() is a uly_attn (the contract of ulysses.h): bf16 and fp16,
        head dims 64 and 128, fp32 accumulation, causal (bottom-right) or not, GQA/MQA with groups
-       split across SP ranks (q_head0, kv_group), Sq != Sk, any lengths, strided q/k/v/o (last
-       dim contiguous, rows 16-byte aligned), lse fp32 [B, H, Sq]. Fully masked rows give 0 and
+       split across SP ranks (q_head0, kv_group), Sq != Sk, any lengths up to 4194240 (65535
+       blocks of 64 rows), strided q/k/v/o (last dim contiguous, rows 16-byte aligned), lse fp32
+       [B, H, Sq]. Fully masked rows give 0 and
        lse = +inf, never NaN; a deterministic mode. uly_flash_varlen_* run packed documents
        (cu_seqlens). uly_cublaslt_attention() (ULYSSES_CUBLASLT) is the unfused cuBLASLt path:
        the GPU-side second reference, and the fallback for any D <= 256, D % 8 == 0.
@@ -1268,10 +1270,17 @@ __device__ __forceinline__ int64_t uly__fa_lse_index(const uly__fa_params &p, co
     return s.b * p.lse_sb + h * p.lse_sh + s.q0 + row;
 }
 
-/* The query block a block of the forward and dQ grids owns: the last first. Under a causal mask
-   the last query blocks see the most keys, and blocks start in index order, so the grid ends
-   on short blocks instead of long ones. */
-__device__ __forceinline__ int uly__fa_query_block() { return (int)(gridDim.x - 1 - blockIdx.x); }
+/* The flash grids are (heads, sequences, blocks). Blocks start in linear index order, x
+   fastest, so the i-th block of every (head, sequence) starts before any's (i+1)-th, and each
+   kernel orders its blocks longest first under a causal mask (the last query blocks see the most
+   keys, the first key blocks the most queries): the whole grid starts longest first and ends on
+   short blocks. Head by head, the grid (blocks, heads, sequences), the long blocks of the last
+   heads would start last: a list schedule of 16 heads of 128 causal query blocks on an H100's
+   264 forward slots (2 per SM) then ends at 89% of the ideal time, against 99.6% this way
+   (bench/RESULTS.md). The price: z is at most 65535 blocks (uly__fa_setup). */
+
+/* The query block a block of the forward and dQ grids owns: the last first. */
+__device__ __forceinline__ int uly__fa_query_block() { return (int)(gridDim.z - 1 - blockIdx.z); }
 
 /* The local kv head of local query head h: (q_head0 + h) / g - q_head0 / g. */
 __device__ __forceinline__ int64_t uly__fa_kv_head(const uly__fa_params &p, int64_t h) {
@@ -1581,16 +1590,16 @@ __device__ __forceinline__ void uly__frag_scale(float (&acc)[MT][NT][4], float x
 /* ---------------------------------------------------------------------------------------------
    Kernels */
 
-/* Forward. Grid (query blocks, H, B). */
+/* Forward. Grid (H, B, query blocks). */
 template <typename T, int D>
 __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
     uly__flash_fwd(const uly__fa_params p) {
     using C = typename uly__fa_traits<D>::fwd;
     constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
-    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.y);
     const int m0 = uly__fa_query_block() * BM;
     if (m0 >= s.sq) return;
-    const int64_t h = blockIdx.y, hk = uly__fa_kv_head(p, h);
+    const int64_t h = blockIdx.x, hk = uly__fa_kv_head(p, h);
     const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
 
     ULY_DYN_SMEM(unsigned char, smem); /* Q [BM][D], K [BN][D], V [BN][D] */
@@ -1701,8 +1710,9 @@ __global__ void __launch_bounds__(128) uly__flash_bwd_post(const uly__fa_params 
     }
 }
 
-/* Backward main kernel: a block owns BN keys of one kv head; grid (key blocks, Hkv, B). For each
-   query head of the kv head's group and each query block that sees these keys:
+/* Backward main kernel: a block owns BN keys of one kv head; grid (Hkv, B, key blocks), which
+   starts the longest blocks first (above uly__fa_query_block). For each query head of the kv
+   head's group and each query block that sees these keys:
        S = Q K^T, dP = dO V^T, then P and dS = P * (dP - Dsum) into shared memory;
        dV += P^T dO, dK += dS^T Q (in registers), and (DQ_ATOMIC) dQ += dS K into the fp32
        accumulator.
@@ -1710,9 +1720,7 @@ __global__ void __launch_bounds__(128) uly__flash_bwd_post(const uly__fa_params 
    (n, d), dQ over (m, d)), so each operand tile is read by few warps. The alternative, keys as
    the rows of every product so that P^T and dS^T feed dV and dK from registers, has every warp
    read all of Q and dO: at D = 128 that is 1664 ldmatrix.x4 per query block against 1152 here
-   plus 2 * BM * BN stores, and shared-memory bandwidth is what bounds this kernel.
-   Under a causal mask the first key blocks see the most queries, so blocks in index order
-   already start with the long ones. */
+   plus 2 * BM * BN stores, and shared-memory bandwidth is what bounds this kernel. */
 template <typename T, int D, bool DQ_ATOMIC>
 __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     uly__flash_bwd_kv(const uly__fa_params p) {
@@ -1723,10 +1731,10 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     constexpr int QW = BM / 32, QN = D * QW / C::WARPS;  /* dQ: QW warps along m, QN dims each */
     static_assert(SN % 16 == 0 && KN % 16 == 0 && QN % 16 == 0, "whole ldmatrix.x4 blocks");
     static_assert(BM <= NT, "a thread loads at most one query row's lse and Dsum");
-    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
-    const int n0 = (int)blockIdx.x * BN;
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.y);
+    const int n0 = (int)blockIdx.z * BN; /* the first key block first */
     if (n0 >= s.sk) return;
-    const int64_t hk = blockIdx.y, g = p.kv_group, g0 = p.q_head0 / g;
+    const int64_t hk = blockIdx.x, g = p.kv_group, g0 = p.q_head0 / g;
     const int64_t h_begin = max((int64_t)0, (hk + g0) * g - p.q_head0);
     const int64_t h_end = min(p.q.h, (hk + g0 + 1) * g - p.q_head0);
     const int diag = s.sk - s.sq;
@@ -1847,17 +1855,17 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
                                smem + BN * D * 2);
 }
 
-/* Deterministic dQ: a block owns BM query rows; grid (query blocks, H, B). Over the key blocks
+/* Deterministic dQ: a block owns BM query rows; grid (H, B, query blocks). Over the key blocks
    in order: S = Q K^T, dP = dO V^T, P and dS, dQ += dS K, in registers; dq = scale * dQ. */
 template <typename T, int D>
 __global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
     uly__flash_bwd_q(const uly__fa_params p) {
     using C = typename uly__fa_traits<D>::dq;
     constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
-    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.y);
     const int m0 = uly__fa_query_block() * BM;
     if (m0 >= s.sq) return;
-    const int64_t h = blockIdx.y, hk = uly__fa_kv_head(p, h);
+    const int64_t h = blockIdx.x, hk = uly__fa_kv_head(p, h);
     const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
 
     ULY_DYN_SMEM(unsigned char, smem); /* Q, dO [BM][D]; 2 x (K, V [BN][D]) */
@@ -1947,7 +1955,10 @@ static uly_status uly__fa_rows16(const uly_tensor &t, const char *name) {
     return uly__ok();
 }
 
-/* The rules the kernels add to the contract: dtype, head dim, 16-byte rows, int32 positions. */
+/* Rows of a sequence: 65535 blocks (the grid's z) of 64 rows (the smallest BM). */
+enum { ULY__FA_MAX_ROWS = 65535 * 64 };
+
+/* The rules the kernels add to the contract: dtype, head dim, 16-byte rows, grid limits. */
 static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, int backward,
                                 uly__fa_params *p) {
     ULY__TRY(uly_attn_check(a, backward));
@@ -1959,9 +1970,9 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     const uly_tensor *ts[8] = {&a->q, &a->k, &a->v, &a->o, &a->dout, &a->dq, &a->dk, &a->dv};
     const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
     for (int i = 0; i < (backward ? 8 : 4); i++) ULY__TRY(uly__fa_rows16(*ts[i], names[i]));
-    ULY__CHECK(a->q.s <= 1 << 30 && a->k.s <= 1 << 30, ULY_EOVERFLOW,
-               "q.s (%lld), k.s (%lld): at most 2^30, so positions and tile ends fit in int32",
-               ULY__LL(a->q.s), ULY__LL(a->k.s));
+    ULY__CHECK(a->q.s <= ULY__FA_MAX_ROWS && a->k.s <= ULY__FA_MAX_ROWS, ULY_EUNSUPPORTED,
+               "q.s (%lld), k.s (%lld): at most %d rows, 65535 blocks of 64 (the grid's z limit)",
+               ULY__LL(a->q.s), ULY__LL(a->k.s), ULY__FA_MAX_ROWS);
     ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535 && a->k.h <= 65535, ULY_EUNSUPPORTED,
                "q.b (%lld), q.h (%lld), k.h (%lld): at most 65535 each, the grid's y and z limit",
                ULY__LL(a->q.b), ULY__LL(a->q.h), ULY__LL(a->k.h));
@@ -2041,7 +2052,7 @@ static uly_status uly__fa_fwd_run(const uly__fa_params &p, int batch, int64_t ma
                                   cudaStream_t stream) {
     using F = typename uly__fa_traits<D>::fwd;
     return uly__fa_launch(uly__flash_fwd<T, D>, "uly__flash_fwd",
-                          dim3(uly__fa_cdiv(max_sq, F::BM), (unsigned)p.q.h, batch), F::WARPS * 32,
+                          dim3((unsigned)p.q.h, batch, uly__fa_cdiv(max_sq, F::BM)), F::WARPS * 32,
                           uly__fa_fwd_smem<D>(), stream, p);
 }
 
@@ -2054,7 +2065,7 @@ static uly_status uly__fa_bwd_run(const uly__fa_params &p, int batch, int64_t ma
     using Q = typename uly__fa_traits<D>::dq;
     const bool atomic = p.dq_acc != NULL;
     const dim3 rows(uly__fa_cdiv(max_sq, 4), (unsigned)p.q.h, batch);
-    const dim3 keys(uly__fa_cdiv(max_sk, B::BN), (unsigned)p.k.h, batch);
+    const dim3 keys((unsigned)p.k.h, batch, uly__fa_cdiv(max_sk, B::BN));
     const size_t kv_smem = uly__fa_bwd_kv_smem<D>();
     ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre", rows, 128, 0, stream, p));
     if (atomic) {
@@ -2066,7 +2077,7 @@ static uly_status uly__fa_bwd_run(const uly__fa_params &p, int batch, int64_t ma
     ULY__TRY(uly__fa_launch(uly__flash_bwd_kv<T, D, false>, "uly__flash_bwd_kv", keys,
                             B::WARPS * 32, kv_smem, stream, p));
     return uly__fa_launch(uly__flash_bwd_q<T, D>, "uly__flash_bwd_q",
-                          dim3(uly__fa_cdiv(max_sq, Q::BM), (unsigned)p.q.h, batch), Q::WARPS * 32,
+                          dim3((unsigned)p.q.h, batch, uly__fa_cdiv(max_sq, Q::BM)), Q::WARPS * 32,
                           uly__fa_bwd_q_smem<D>(), stream, p);
 }
 

@@ -316,6 +316,35 @@ TEST(deterministic_is_bitwise_stable) {
 }
 
 #ifdef ULY_EMU
+/* The flash grids are (heads, sequences, blocks), so blocks start position by position across
+   every head and sequence, longest first (ulysses_cuda.cuh, above uly__fa_query_block). B = 2,
+   H = 4 over Hkv = 2, 300 rows: 3 forward and dK/dV blocks of 128 rows, 5 dQ blocks of 64. */
+TEST(flash_grids_are_heads_sequences_blocks) {
+    typedef __nv_bfloat16 T;
+    for (int det : {0, 1}) {
+        fcase c = make_case({2, 300, 300, 4, 2, 1}, 64, ULY_BF16);
+        c.deterministic = det;
+        uly_emu_record_reset();
+        check_case(c);
+        int fwd = 0, kv = 0, q = 0, wrong = 0;
+        for (const uly_emu_op &op : uly_emu_recorded_ops()) {
+            dim3 want;
+            if (op.kernel == (const void *)uly__flash_fwd<T, 64>) want = dim3(4, 2, 3), fwd++;
+            else if (op.kernel == (const void *)uly__flash_bwd_kv<T, 64, true> ||
+                     op.kernel == (const void *)uly__flash_bwd_kv<T, 64, false>)
+                want = dim3(2, 2, 3), kv++;
+            else if (op.kernel == (const void *)uly__flash_bwd_q<T, 64>) want = dim3(4, 2, 5), q++;
+            else continue;
+            wrong += op.grid.x != want.x || op.grid.y != want.y || op.grid.z != want.z;
+        }
+        CHECK(fwd > 0 && kv > 0 && (q > 0) == det && !wrong, "deterministic=%d: %d forward, %d "
+              "dK/dV, %d dQ launches, %d of them not on (heads, B, blocks)", det, fwd, kv, q,
+              wrong);
+    }
+}
+#endif
+
+#ifdef ULY_EMU
 /* Every ldmatrix of every kernel (forward; backward with atomic and with deterministic dQ) reads
    each 8 x 8 matrix in one shared-memory wavefront: the tiles' swizzle leaves no bank conflict. */
 TEST(ldmatrix_reads_have_no_bank_conflicts) {
@@ -571,10 +600,12 @@ TEST(backward_rejects_a_null_or_misaligned_workspace) {
     free_args(f);
 }
 
-/* Batches and heads are the grid's z and y: at most 65535 each. One [65536, 1, 1, 64] buffer
-   serves as every tensor (and a [1, 1, 65536, 64] q, k of one head): it is never read. */
-TEST(rejects_batch_or_heads_past_the_grid_limit) {
-    void *buf;
+/* Batches and heads are grid dims of at most 65535 each, and so are the blocks of a sequence:
+   at most 65535 * 64 = 4194240 rows. One [65536, 1, 1, 64] buffer serves as every tensor (and
+   a [1, 1, 65536, 64] q of one head), one [1, 4194241, 1, 64] as a q, k one row too long: they
+   are never read. */
+TEST(rejects_batch_heads_or_rows_past_the_grid_limit) {
+    void *buf, *rows;
     float *lse;
     cudaMalloc(&buf, (size_t)65536 * 64 * 2), cudaMalloc((void **)&lse, (size_t)65536 * 4);
     const uly_attn fa = uly_flash_attention();
@@ -588,7 +619,15 @@ TEST(rejects_batch_or_heads_past_the_grid_limit) {
     a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, 1, 1, 1, 64);
     expect_status(fa.fwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "forward, q.h = 65536");
     expect_status(fa.bwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "backward, q.h = 65536");
-    cudaFree(buf), cudaFree(lse);
+    const int64_t n = 4194241;
+    cudaMalloc(&rows, (size_t)n * 64 * 2);
+    a.q = a.o = a.dout = a.dq = uly_dense(rows, ULY_BF16, 1, n, 1, 64);
+    a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, 1, 1, 1, 64);
+    expect_status(fa.fwd(fa.ctx, &a), ULY_EUNSUPPORTED, "at most 4194240 rows", "q.s = 4194241");
+    a.k = a.v = a.dk = a.dv = uly_dense(rows, ULY_BF16, 1, n, 1, 64);
+    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 1, 64);
+    expect_status(fa.bwd(fa.ctx, &a), ULY_EUNSUPPORTED, "at most 4194240 rows", "k.s = 4194241");
+    cudaFree(buf), cudaFree(rows), cudaFree(lse);
 }
 
 /* Rows move in 16-byte chunks: a stride of a dim longer than 1 that is not a multiple of 8
