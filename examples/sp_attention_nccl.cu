@@ -2,7 +2,12 @@
    and backward with the flash kernels (uly_cuda_layer), checked on every rank against the same
    attention computed unsharded.
 
-       mpirun -np 4 build/sp_attention_nccl [sp_size]      (default: every rank in one SP group)
+       make build/gpu/sp_attention_nccl
+       mpirun -np 4 build/gpu/sp_attention_nccl [sp_size]   (default: every rank in one SP group)
+
+   make test-gpu runs it with one rank per GPU of the machine. Each rank takes the GPU of its
+   index on its node, so a node may hold no more ranks than GPUs (NCCL refuses two ranks on one
+   GPU).
 
    MPI only starts the processes and shares the NCCL id; the layer's all-to-alls run on NCCL.
    The world splits into SP groups of sp_size consecutive ranks and DP groups across them (each
@@ -30,6 +35,12 @@ enum { B = 2, S = 1024, H = 16, HKV = 4, D = 64 };
             MPI_Abort(MPI_COMM_WORLD, 1);                                                         \
         }                                                                                         \
     } while (0)
+
+static void nccl_ok(ncclResult_t r, const char *what) {
+    if (r == ncclSuccess) return;
+    fprintf(stderr, "%s: %s\n", what, ncclGetErrorString(r));
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
 
 static void ulysses_ok(uly_status st, const char *what) {
     if (!st.code) return;
@@ -80,20 +91,33 @@ static double shard_error(uly_tensor got, uly_tensor full, int64_t s0) {
 }
 
 int main(int argc, char **argv) {
-    int rank, world, ndev;
+    int rank, world, local, nlocal, ndev;
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     const int P = argc > 1 ? atoi(argv[1]) : world;
+
+    /* The GPU: this rank's index on its node. rank % ndev would give two ranks one GPU unless
+       every node holds ndev consecutive ranks. */
+    MPI_Comm node;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+    MPI_Comm_rank(node, &local);
+    MPI_Comm_size(node, &nlocal);
+    MPI_Comm_free(&node);
     CUDA_OK(cudaGetDeviceCount(&ndev));
-    CUDA_OK(cudaSetDevice(rank % ndev));
+    if (nlocal > ndev) {
+        fprintf(stderr, "rank %d: %d ranks on its node but %d GPUs: run one rank per GPU\n",
+                rank, nlocal, ndev);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    CUDA_OK(cudaSetDevice(local));
 
     /* NCCL: rank 0 makes the id, MPI shares it; then SP and DP communicators. */
     ncclUniqueId id;
     ncclComm_t all, sp, dp;
-    if (rank == 0 && ncclGetUniqueId(&id) != ncclSuccess) MPI_Abort(MPI_COMM_WORLD, 1);
+    if (rank == 0) nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId");
     MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
-    if (ncclCommInitRank(&all, world, id, rank) != ncclSuccess) MPI_Abort(MPI_COMM_WORLD, 1);
+    nccl_ok(ncclCommInitRank(&all, world, id, rank), "ncclCommInitRank");
     ulysses_ok(uly_nccl_split(all, P, &sp, &dp), "uly_nccl_split");
     uly_nccl nccl = {sp, NULL, 60.0}; /* host-side waits give up after a minute */
     CUDA_OK(cudaMalloc((void **)&nccl.scratch, ULY_NCCL_SCRATCH * sizeof(double)));
