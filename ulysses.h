@@ -1,4 +1,4 @@
-/* ulysses.h - Ulysses sequence parallelism for C and CUDA trainers. Public domain-like: MIT, see end.
+/* ulysses.h - Ulysses sequence parallelism for C and CUDA trainers. MIT license, see the end.
 
    Long-context attention runs out of memory because its activations grow with the sequence.
    Ulysses splits the SEQUENCE over the P ranks of a sequence-parallel (SP) group: each rank
