@@ -3,7 +3,7 @@
    FlashAttention's shapes and FLOP convention: bf16, B * S = 16K tokens, S = 1K .. 32K (B = 1 at
    32K: there is no B = 1/2), H * D = 2048, D = 64 and 128, causal and not; forward
    4 * B * S^2 * H * D FLOPs, halved when causal; backward 2.5x the forward. Each point is the
-   median of 10 timed runs after 2 warm-ups. Prints CSV
+   median of 10 timed runs (bench_median_ms: back to back, after 100 ms of warm-up). Prints CSV
    (impl,d,causal,seq,batch,heads,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops) on stdout and, on stderr,
    each kernel's registers and shared memory. bench/bench_sdpa.py prints the same for PyTorch;
    bench/plot_attn.py draws them side by side.

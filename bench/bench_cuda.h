@@ -1,6 +1,6 @@
 /* bench_cuda.h - what the GPU benchmarks share: CUDA_OK and bench_ok, random bf16 data made on
-   the device, and the median time of a piece of work on a stream. Include after ulysses_cuda.cuh (and,
-   for an emulated smoke run, after emu/cuda_emu.h). */
+   the device, and the median time of a piece of work on a stream. Include after
+   ulysses_cuda.cuh (and, for an emulated smoke run, after emu/cuda_emu.h). */
 #ifndef ULY_BENCH_CUDA_H
 #define ULY_BENCH_CUDA_H
 
@@ -43,22 +43,32 @@ static inline __nv_bfloat16 *bench_random(int64_t n, uint32_t seed, cudaStream_t
     return x;
 }
 
-/* Median milliseconds of fn() on stream s over `runs` timed runs after `warm` untimed ones. */
+/* Median milliseconds of fn() on stream s over `runs` runs. First at least `warm` untimed runs
+   and 100 ms of them, as the clocks ramp up from idle. Then the timed runs back to back with an
+   event between each, waited for once at the end: an interval is one run's GPU time, the host's
+   launch work hidden behind the queue (an event pair around a synchronized run would time it
+   too: a few microseconds, 10% of a 64 MB copy). */
 template <typename F> static double bench_median_ms(cudaStream_t s, int warm, int runs, F fn) {
-    cudaEvent_t a, b;
-    CUDA_OK(cudaEventCreate(&a));
-    CUDA_OK(cudaEventCreate(&b));
-    std::vector<float> ms;
-    for (int i = 0; i < warm + runs; i++) {
-        CUDA_OK(cudaEventRecord(a, s));
+    std::vector<cudaEvent_t> ev((size_t)runs + 1);
+    for (cudaEvent_t &e : ev) CUDA_OK(cudaEventCreate(&e));
+    float spent = 0;
+    CUDA_OK(cudaEventRecord(ev[0], s));
+    for (int i = 0; i < warm || spent < 100.f; i++) {
         fn();
-        CUDA_OK(cudaEventRecord(b, s));
-        CUDA_OK(cudaEventSynchronize(b));
-        float t;
-        CUDA_OK(cudaEventElapsedTime(&t, a, b));
-        if (i >= warm) ms.push_back(t);
+        CUDA_OK(cudaEventRecord(ev[1], s));
+        CUDA_OK(cudaEventSynchronize(ev[1]));
+        CUDA_OK(cudaEventElapsedTime(&spent, ev[0], ev[1]));
     }
-    cudaEventDestroy(a), cudaEventDestroy(b);
+    CUDA_OK(cudaEventRecord(ev[0], s));
+    for (int i = 0; i < runs; i++) {
+        fn();
+        CUDA_OK(cudaEventRecord(ev[(size_t)i + 1], s));
+    }
+    CUDA_OK(cudaEventSynchronize(ev[(size_t)runs]));
+    std::vector<float> ms((size_t)runs);
+    for (int i = 0; i < runs; i++)
+        CUDA_OK(cudaEventElapsedTime(&ms[(size_t)i], ev[(size_t)i], ev[(size_t)i + 1]));
+    for (cudaEvent_t e : ev) cudaEventDestroy(e);
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
 }

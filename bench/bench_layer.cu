@@ -6,14 +6,18 @@
    events on its stream at the layer's on_phase hooks, so a phase's time is the GPU time until
    rank 0 is through it, with the other ranks' share of that phase running alongside; the
    exchange includes waiting for the slowest peer. With B = 1 the query side needs no unpack
-   and the output side no pack (the driver sends and receives in place). Mean of 3 runs after a
-   warm-up. Prints a table on stdout. */
+   and the output side no pack (the driver sends and receives in place). Medians of 7 runs after
+   a warm-up. Prints a table on stdout.
+   One GPU plays four: attention does four ranks' work on it while the exchange is a copy in its
+   memory, so the shares are not those of four GPUs, where attention is about 4x faster and the
+   exchange crosses NVLink. For those, take one rank's attention time (a quarter of this one's)
+   and the exchange's bytes over the link's bandwidth. */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
 #include "bench_cuda.h"
 
-enum { P = 4, H = 32, HKV = 8, D = 128, RUNS = 3, MARKS = 64 };
+enum { P = 4, H = 32, HKV = 8, D = 128, RUNS = 7, MARKS = 64 };
 static const char *const phases[] = {"pack", "exchange", "attention", "unpack"};
 
 /* Events at the phase hooks of one pass (forward or backward) on rank 0's stream. */
@@ -31,7 +35,7 @@ static void mark(void *user, uly_phase phase, int end) {
 }
 
 /* Adds each phase's time (start mark to the next mark) to ms[0..3] and the pass's to ms[4]. */
-static void add_up(timeline *t, double ms[5]) {
+static void add_up(timeline *t, float ms[5]) {
     CUDA_OK(cudaEventSynchronize(t->ev[t->n - 1]));
     for (int i = 0; i + 1 < t->n; i++) {
         float x;
@@ -46,7 +50,7 @@ static void add_up(timeline *t, double ms[5]) {
 
 typedef struct bench {
     int64_t S;
-    double fwd[5], bwd[5]; /* rank 0: per phase, then the whole pass, summed over RUNS */
+    float fwd[RUNS][5], bwd[RUNS][5]; /* rank 0, each run: per phase, then the whole pass */
 } bench;
 
 static void rank_main(const uly_comm *comm, void *user) {
@@ -83,10 +87,10 @@ static void rank_main(const uly_comm *comm, void *user) {
 
     for (int run = 0; run <= RUNS; run++) {
         bench_ok(uly_forward(&L, q, k, v, out, saved), "uly_forward");
-        if (comm->rank == 0 && run) add_up(&t, b->fwd);
+        if (comm->rank == 0 && run) add_up(&t, b->fwd[run - 1]);
         t.n = 0;
         bench_ok(uly_backward(&L, dout, saved, dq, dk, dv), "uly_backward");
-        if (comm->rank == 0 && run) add_up(&t, b->bwd);
+        if (comm->rank == 0 && run) add_up(&t, b->bwd[run - 1]);
         t.n = 0;
     }
     CUDA_OK(cudaStreamSynchronize(s));
@@ -96,9 +100,16 @@ static void rank_main(const uly_comm *comm, void *user) {
     cudaStreamDestroy(s);
 }
 
-static void print_pass(const char *name, int64_t S, const double ms[5]) {
-    printf("%7lld %-8s %9.2f", (long long)S, name, ms[4] / RUNS);
-    for (int p = 0; p < 4; p++) printf(" %8.2f %5.1f%%", ms[p] / RUNS, 100 * ms[p] / ms[4]);
+/* The median over the runs of each column. */
+static void print_pass(const char *name, int64_t S, const float runs[RUNS][5]) {
+    float ms[5], col[RUNS];
+    for (int c = 0; c < 5; c++) {
+        for (int r = 0; r < RUNS; r++) col[r] = runs[r][c];
+        std::sort(col, col + RUNS);
+        ms[c] = col[RUNS / 2];
+    }
+    printf("%7lld %-8s %9.2f", (long long)S, name, ms[4]);
+    for (int p = 0; p < 4; p++) printf(" %8.2f %5.1f%%", ms[p], 100 * ms[p] / ms[4]);
     printf("   %5.1f%%\n", 100 * (ms[4] - ms[ULY_PHASE_ATTN]) / ms[4]);
 }
 

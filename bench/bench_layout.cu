@@ -2,11 +2,14 @@
 
    Rank 0 of an SP group of P = 8; H = 32 query and Hkv = 4 kv heads (so every kv head goes to
    two ranks and DKV's unpack sums two copies), D = 128, bf16, B = 2; S sized so that the query
-   exchange moves 16 MB .. 1 GB. Each kernel is timed against a device-to-device cudaMemcpyAsync
-   of its exchange buffer's bytes (what a pack writes or an unpack reads): ratio = memcpy time /
-   kernel time, target >= 0.9 at >= 64 MB. Sources and destinations are as in the layer: q, k and
-   dK views into fused QKV buffers, head-layout tensors dense. Median of 20 runs after 3 warm-ups.
-   Prints a table on stdout. Arguments: the sizes in MB (default 16 64 256 1024). */
+   exchange moves 16 MB .. 1 GB (KV and DKV move a quarter of that: judge the target by the MB
+   column, 64 MB and more being past the 50 MB L2). Each kernel is timed against a
+   device-to-device cudaMemcpyAsync of its exchange buffer's bytes (what a pack writes or an
+   unpack reads); ratio = the kernel's GB/s over the copy's, each counting the bytes it reads and
+   writes once, target >= 0.9 at >= 64 MB. Sources and destinations are as in the layer: q, k and
+   dK views into fused QKV buffers, head-layout tensors dense, all random. Median of 20 runs
+   (bench_median_ms). Prints a table on stdout. Arguments: the sizes in MB (default 16 64 256
+   1024). */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
@@ -14,11 +17,9 @@
 
 enum { P = 8, B = 2, H = 32, HKV = 4, D = 128 };
 
-static void *device(int64_t bytes) {
-    void *p;
-    CUDA_OK(cudaMalloc(&p, (size_t)bytes));
-    CUDA_OK(cudaMemset(p, 0, (size_t)bytes));
-    return p;
+/* Random bf16 values, not zeros: the memory system may move zeros faster. */
+static void *device(int64_t bytes, cudaStream_t s) {
+    return bench_random(bytes / 2, (uint32_t)bytes, s);
 }
 
 typedef struct kcase {
@@ -51,8 +52,8 @@ static void bench_size(double mb, cudaStream_t s) {
     for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
         xbytes = std::max(xbytes, std::max(uly_send_bytes(&plan, (uly_xchg)x),
                                            uly_recv_bytes(&plan, (uly_xchg)x)));
-    void *qkv = device(fused), *dense_seq = device(fused), *head = device(head_side);
-    void *buf = device(xbytes), *copy = device(xbytes);
+    void *qkv = device(fused, s), *dense_seq = device(fused, s), *head = device(head_side, s);
+    void *buf = device(xbytes, s), *copy = device(xbytes, s);
     uly_tensor fq, fk, fv;
     uly_qkv_views(qkv, ULY_BF16, B, Sr, H, HKV, D, &fq, &fk, &fv);
     uly_layout l = uly_cuda_layout();
@@ -63,6 +64,10 @@ static void bench_size(double mb, cudaStream_t s) {
                                       : uly_dense(dense_seq, ULY_BF16, B, Sr, kv ? HKV : H, D))
                            : uly_dense(head, ULY_BF16, B, d.seq_len, kv ? kv_r : heads_r, D);
         const int64_t bytes = c.unpack ? uly_recv_bytes(&plan, c.x) : uly_send_bytes(&plan, c.x);
+        /* Each byte of the buffer and of the view moves once (a kv head packed for two peers
+           is read twice, the second time from L2); the summing unpack reads two copies per
+           head and writes one, 1.5x the buffer where a copy moves 2x. */
+        const int64_t traffic = bytes + t.b * t.s * t.h * t.d * 2;
         const double k = bench_median_ms(s, 3, 20, [&] {
             bench_ok(c.unpack ? l.unpack(l.ctx, &plan, c.x, buf, t, s)
                               : l.pack(l.ctx, &plan, c.x, t, buf, s), c.name);
@@ -70,8 +75,9 @@ static void bench_size(double mb, cudaStream_t s) {
         const double m = bench_median_ms(s, 3, 20, [&] {
             CUDA_OK(cudaMemcpyAsync(copy, buf, (size_t)bytes, cudaMemcpyDeviceToDevice, s));
         });
+        const double gbs = traffic / k / 1e6, copy_gbs = 2 * bytes / m / 1e6;
         printf("%-26s %9.1f %10.3f %10.3f %9.1f %9.1f %6.2f\n", c.name, bytes / 1048576.0, k, m,
-               2 * bytes / k / 1e6, 2 * bytes / m / 1e6, m / k);
+               gbs, copy_gbs, gbs / copy_gbs);
     }
     void *all[] = {qkv, dense_seq, head, buf, copy};
     for (void *p : all) cudaFree(p);

@@ -1,7 +1,8 @@
 """bench_sdpa.py [--device cpu] [TOKENS [SMIN SMAX [WIDTH]]] - PyTorch's
 scaled_dot_product_attention (flash backend) on bench_attn.cu's shapes, sizes (same arguments)
-and FLOP convention, printed as the same CSV (impl "sdpa"). Median of 10 timed runs after 2
-warm-ups; inputs [B, S, H, D] bf16, viewed as [B, H, S, D] as FlashAttention users do.
+and FLOP convention, printed as the same CSV (impl "sdpa"). Median of 10 timed runs (time_ms);
+q, k, v and dout [B, S, H, D] bf16, viewed as [B, H, S, D] as FlashAttention users do, so
+neither side copies to another layout.
 --device cpu is make test's smoke run of this script, timed by the wall clock: the flash backend
 where torch has it (sdpa_kernel from torch 2.3, the CPU flash kernel from 2.1), else the MATH
 backend's formula written out, as Debian's torch 1.13 has no scaled_dot_product_attention."""
@@ -29,21 +30,29 @@ def math_attention(q, k, v, is_causal):
 
 
 def time_ms(fn, cuda):
-    times = []
-    for i in range(12):
+    """Median of 10 runs of fn, as bench_cuda.h's bench_median_ms: at least 2 untimed runs and
+    100 ms of them (the clocks ramp up from idle), then on a GPU the timed runs back to back with
+    an event between each, so an interval is one run's GPU time and not Python's dispatch."""
+    start, spent = time.perf_counter(), 0
+    while spent < 2 or time.perf_counter() - start < 0.1:
+        fn()
         if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            torch.cuda.synchronize()
+        spent += 1
+    if cuda:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(11)]
+        events[0].record()
+        for e in events[1:]:
             fn()
-            b.record()
-            b.synchronize()
-            ms = a.elapsed_time(b)
-        else:
+            e.record()
+        events[-1].synchronize()
+        times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+    else:
+        times = []
+        for _ in range(10):
             t = time.perf_counter()
             fn()
-            ms = (time.perf_counter() - t) * 1e3
-        if i >= 2:
-            times.append(ms)
+            times.append((time.perf_counter() - t) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
@@ -72,11 +81,12 @@ def main():
                 b, h = max(1, tokens // s), width // d
                 q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
                            .transpose(1, 2).requires_grad_() for _ in range(3))
-                dout = torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16)
+                dout = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16).transpose(1, 2)
                 with backend():
                     fwd = time_ms(lambda: attention(q, k, v, is_causal=bool(causal)), cuda)
                     out = attention(q, k, v, is_causal=bool(causal))
-                    bwd = time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), cuda)
+                    bwd = time_ms(functools.partial(torch.autograd.grad, out, (q, k, v), dout,
+                                                    retain_graph=True), cuda)
                 flops = 4.0 * b * s * s * h * d / (2 if causal else 1)
                 print(f"sdpa,{d},{causal},{s},{b},{h},{fwd:.3f},{bwd:.3f},"
                       f"{flops / fwd * 1e-9:.1f},{2.5 * flops / bwd * 1e-9:.1f}")
