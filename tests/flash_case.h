@@ -487,4 +487,15 @@ static inline fcase make_case(const shape &s, int64_t D, uly_dtype dt, float sca
     return c;
 }
 
+/* Padded views whose dims of extent 1 have stride 1, not a multiple of 8: a decode step (q, o,
+   dout, dq [2, 1, 2, 64] with ss = 1, against 200 keys; k, v, dk, dv [2, 200, 1, 64] with
+   sh = 1) and a single key (k, v, dk, dv [2, 1, 1, 128] with ss = sh = 1). A stride that is never
+   applied may be anything. */
+static inline std::vector<fcase> extent_1_cases(void) {
+    std::vector<fcase> v = {make_case({2, 1, 200, 2, 1, 1}, 64, ULY_BF16),
+                            make_case({2, 65, 1, 2, 1, 0}, 128, ULY_F16)};
+    for (fcase &c : v) c.strided = 1;
+    return v;
+}
+
 #endif

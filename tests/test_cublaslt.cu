@@ -100,16 +100,11 @@ TEST(cublaslt_strided_split_group_masked_rows) {
     agree(make_case({1, 150, 20, 2, 1, 1}, 64, ULY_BF16));
 }
 
-/* test_flash's padded views whose dims of extent 1 have stride 1: a decode step (q rows 1
-   element apart, D = 64) and a single key (k rows and heads 1 element apart). cuBLASLt wants a
-   leading dimension of at least a row's length even for one row; uly__lt_gemm gives it one. */
+/* flash_case.h's extent_1_cases: a decode step's q rows 1 element apart, a single key's k rows
+   and heads. cuBLASLt wants a leading dimension of at least a row's length even for one row;
+   uly__lt_gemm gives it one. */
 TEST(cublaslt_any_stride_on_dims_of_extent_1) {
-    const fcase runs[] = {make_case({2, 1, 200, 2, 1, 1}, 64, ULY_BF16),
-                          make_case({2, 65, 1, 2, 1, 0}, 128, ULY_F16)};
-    for (fcase c : runs) {
-        c.strided = 1;
-        agree(c);
-    }
+    for (const fcase &c : extent_1_cases()) agree(c);
 }
 
 /* Two query heads of a group of 2 and two kv heads: kv head 1 is read by no query head, so its

@@ -152,17 +152,9 @@ TEST(strided_inputs) {
         }
 }
 
-/* Padded views whose dims of extent 1 have stride 1, not a multiple of 8: a decode step (q, o,
-   dout, dq [2, 1, 2, 64] with ss = 1, against 200 keys; k, v, dk, dv [2, 200, 1, 64] with
-   sh = 1) and a single key (k, v, dk, dv [2, 1, 1, 128] with ss = sh = 1). A stride that is never
-   applied may be anything: the calls run and meet the accuracy rule. */
+/* flash_case.h's extent_1_cases: the calls run and meet the accuracy rule. */
 TEST(any_stride_on_dims_of_extent_1) {
-    const fcase runs[] = {make_case({2, 1, 200, 2, 1, 1}, 64, ULY_BF16),
-                          make_case({2, 65, 1, 2, 1, 0}, 128, ULY_F16)};
-    for (fcase c : runs) {
-        c.strided = 1;
-        check_case(c);
-    }
+    for (const fcase &c : extent_1_cases()) check_case(c);
 }
 
 /* q and k uniform in [-4, 4): logits of standard deviation 16 / 3, so a row's running maximum
