@@ -127,7 +127,9 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
    only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier go through `scratch`,
    ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL: they return
    ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most timeout_s
-   seconds (0: no limit). Failures return ULY_ECOMM with NCCL's message. After any failure
+   seconds (0: no limit). Given no stream, they use the per-thread default one: the legacy
+   stream would also wait for every other blocking stream, another communicator's collectives
+   among them, which can tie two communicators into a deadlock. Failures return ULY_ECOMM with NCCL's message. After any failure
    (a call NCCL refused, a peer or the network gone) or a timeout the communicator is unusable
    and its peers may be stuck in the collective: the caller, who owns it, must ncclCommAbort it
    (which also lets a stuck stream drain). Nothing here aborts or destroys a communicator.
@@ -1081,6 +1083,8 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
     if (!count || device) return uly__nccl_sum(n, buf, count, s);
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "allreduce_sum of host memory: uly_nccl.scratch is "
                "NULL (it needs %d doubles of device memory)", (int)ULY_NCCL_SCRATCH);
+    /* No stream (uly_loss_reduce's): the per-thread default one, as for barrier. */
+    if (!s) s = cudaStreamPerThread;
     for (int64_t at = 0; at < count; at += ULY_NCCL_SCRATCH) {
         const size_t bytes = (size_t)uly__min(ULY_NCCL_SCRATCH, count - at) * sizeof(double);
         ULY__TRY(uly__cuda(cudaMemcpyAsync(n->scratch, buf + at, bytes, cudaMemcpyHostToDevice,
@@ -1088,7 +1092,7 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
         ULY__TRY(uly__nccl_sum(n, n->scratch, (int64_t)(bytes / sizeof(double)), s));
         /* Waited for before the copy back: a copy to pageable memory blocks the thread until
            it is done, which a collective stuck on a dead peer never is. */
-        ULY__TRY(uly_nccl_wait(n->comm, stream, n->timeout_s));
+        ULY__TRY(uly_nccl_wait(n->comm, s, n->timeout_s));
         ULY__TRY(uly__cuda(cudaMemcpyAsync(buf + at, n->scratch, bytes, cudaMemcpyDeviceToHost,
                                            s), "allreduce_sum"));
         ULY__TRY(uly__cuda(cudaStreamSynchronize(s), "allreduce_sum"));
@@ -1096,9 +1100,7 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
     return uly__ok();
 }
 
-/* A one-value allreduce, waited for, on the per-thread default stream: the legacy one would
-   also wait for every other blocking stream's work, another communicator's collectives among
-   them, which can tie two communicators into a deadlock. */
+/* A one-value allreduce, waited for, on the per-thread default stream (see uly_nccl_comm). */
 static uly_status uly__nccl_barrier(void *ctx) {
     uly_nccl *n = (uly_nccl *)ctx;
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "barrier: uly_nccl.scratch is NULL (it needs %d "

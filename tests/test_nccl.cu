@@ -17,7 +17,8 @@
      until uly_nccl_wait's timeout) is ULY_ECOMM on both ranks. alltoall: one ncclAlltoAll per
      rank.
    - allreduce_sum: device memory directly, host memory through scratch in chunks of
-     ULY_NCCL_SCRATCH, every rank getting the same sum, all on the caller's stream; without scratch, host memory and barrier
+     ULY_NCCL_SCRATCH, every rank getting the same sum, all on the caller's stream (host
+     memory with none: the per-thread default stream); without scratch, host memory and barrier
      are ULY_EUNSUPPORTED; barrier returns on no rank before every rank has called it; both
      give up on a stalled stream after uly_nccl.timeout_s.
    - uly_nccl_split: SP groups of consecutive ranks and DP groups across them (sizes, ranks and
@@ -444,6 +445,27 @@ TEST(allreduce_of_device_memory_sums_in_place_in_one_call) { check_sum(SUM_MAX, 
 /* 150 values: chunks of 64, 64 and 22 through the scratch buffer. */
 TEST(allreduce_of_host_memory_goes_through_scratch_in_chunks) {
     check_sum(SUM_MAX, 0, (SUM_MAX + ULY_NCCL_SCRATCH - 1) / ULY_NCCL_SCRATCH);
+}
+
+/* Host memory and no stream, as uly_loss_reduce calls it: every operation on the per-thread
+   default stream, none on the legacy one (which waits for every blocking stream, another
+   communicator's collectives among them). off[rank]: operations elsewhere. */
+static void no_stream_main(const uly_comm *c, void *user) {
+    int *off = (int *)user;
+    double v[2] = {1, 2};
+    uly_emu_record_reset();
+    const uly_status st = c->allreduce_sum(c->ctx, v, 2, NULL);
+    CHECK(!st.code && v[0] == c->size && v[1] == 2 * c->size, "rank %d: '%s', sums %g %g",
+          c->rank, st.msg, v[0], v[1]);
+    for (const uly_emu_op &op : uly_emu_recorded_ops())
+        off[c->rank] += op.stream != cudaStreamPerThread;
+}
+
+TEST(host_allreduce_without_a_stream_runs_on_the_per_thread_stream) {
+    int off[2] = {0, 0};
+    const uly_status st = nccl_run(2, no_stream_main, off);
+    CHECK(!st.code && !off[0] && !off[1], "'%s'; operations off the per-thread stream: %d, %d",
+          st.msg, off[0], off[1]);
 }
 
 typedef struct bare_job {
