@@ -5,7 +5,8 @@
    projects its own tokens to q, k, v; one all-to-all per tensor turns "my tokens, all heads" into
    "all tokens, my heads"; each rank runs ordinary attention over the full sequence for its heads;
    one more all-to-all turns the output back into "my tokens, all heads". The backward is the same
-   exchanges in reverse. Per layer the all-to-alls move about 4*N*h/P elements per rank.
+   exchanges in reverse. Per layer the all-to-alls move about 4*N*h/P elements per rank (N = B*S
+   tokens, h = H*D; with GQA the k and v exchanges are Hkv/H of that).
 
        rank r: q,k,v [B, S_r, H, D] --pack--> all-to-all --> [B, S, H_r, D] --attention--> o
                out   [B, S_r, H, D] <--unpack-- all-to-all <--pack-- o [B, S, H_r, D], lse [B, H_r, S]

@@ -1,7 +1,7 @@
 /* ref64.h - the tests' independent reference: attention forward and backward in fp64, written
    straight from the formulas with plain loops, and the seeded data the tests feed it.
 
-   Shapes follow the attention contract (DESIGN.md section 5), all dense and row-major:
+   Shapes follow the attention contract (uly_attn in ulysses.h), all dense and row-major:
    q, dout, out, dq [B, Sq, H, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse [B, H, Sq].
        s[i][j] = scale * q_i . k_j              for keys kept by the mask
        causal (bottom-right): row i keeps j <= i + Sk - Sq

@@ -2,7 +2,7 @@
 
    Every property is checked over a sweep of shapes (B in {1,2,3}; S with primes and S = P;
    H = Hkv * g for group sizes 1, 2, 4, 8; P from 1 to 8; worlds of 1 and 2 SP groups) against
-   the DESIGN.md formulas written out here:
+   the plan's formulas, written out here:
        S_r = S/P + (r < S%P),  s0_r = sum of S_q for q < r        (same for heads)
        kv heads of r: [h0_r / g, (h0_r + H_r - 1) / g]
        sp_rank = rank % P, dp_rank = rank / P
