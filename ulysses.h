@@ -215,9 +215,9 @@ ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void 
 #ifdef ULYSSES_MPI
 /* The MPI communicator over `comm` (an SP group). A peer's byte count above chunk_bytes
    (0 = INT_MAX, as MPI counts are int) is moved in messages of at most chunk_bytes; every rank
-   of comm must use the same chunk_bytes. Those messages are point-to-point on comm (tag 0x756c): give
-   the library a communicator of its own (MPI_Comm_dup) if the program receives on comm with
-   MPI_ANY_TAG while the layer runs. */
+   of comm must use the same chunk_bytes. Those messages are point-to-point on comm (tag
+   0x756c): give the library a communicator of its own (MPI_Comm_dup) if the program receives on
+   comm with MPI_ANY_TAG while the layer runs. */
 typedef struct uly_mpi {
     MPI_Comm comm;
     int64_t chunk_bytes;

@@ -56,10 +56,10 @@
        head dims 64 and 128, fp32 accumulation, causal (bottom-right) or not, GQA/MQA with groups
        split across SP ranks (q_head0, kv_group), Sq != Sk, any lengths up to 4194240 (65535
        blocks of 64 rows), strided q/k/v/o (last dim contiguous, rows 16-byte aligned), lse fp32
-       [B, H, Sq]. Fully masked rows give 0 and
-       lse = +inf, never NaN; a deterministic mode. uly_flash_varlen_* run packed documents
-       (cu_seqlens). uly_cublaslt_attention() (ULYSSES_CUBLASLT) is the unfused cuBLASLt path:
-       the GPU-side second reference, and the fallback for any D <= 256, D % 8 == 0.
+       [B, H, Sq]. Fully masked rows give 0 and lse = +inf, never NaN; a deterministic mode.
+       uly_flash_varlen_* run packed documents (cu_seqlens). uly_cublaslt_attention()
+       (ULYSSES_CUBLASLT) is the unfused cuBLASLt path: the GPU-side second reference, and the
+       fallback for any D <= 256, D % 8 == 0.
 
        The flash kernels (sm_80 and newer: mma.sync m16n8k16, ldmatrix, cp.async; the D = 128
        backward needs 161 KB of shared memory per block, which A100 and H100 have and sm_86 and
@@ -129,12 +129,12 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
    ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most timeout_s
    seconds (0: no limit). Given no stream, they use the per-thread default one: the legacy
    stream would also wait for every other blocking stream, another communicator's collectives
-   among them, which can tie two communicators into a deadlock. Failures return ULY_ECOMM with NCCL's message. After any failure
-   (a call NCCL refused, a peer or the network gone) or a timeout the communicator is unusable
-   and its peers may be stuck in the collective: the caller, who owns it, must ncclCommAbort it
-   (which also lets a stuck stream drain). Nothing here aborts or destroys a communicator.
-   comm must be blocking (NCCL's default config): a non-blocking one's ncclInProgress is taken
-   for a failure. */
+   among them, which can tie two communicators into a deadlock. Failures return ULY_ECOMM with
+   NCCL's message. After any failure (a call NCCL refused, a peer or the network gone) or a
+   timeout the communicator is unusable and its peers may be stuck in the collective: the
+   caller, who owns it, must ncclCommAbort it (which also lets a stuck stream drain). Nothing
+   here aborts or destroys a communicator. comm must be blocking (NCCL's default config): a
+   non-blocking one's ncclInProgress is taken for a failure. */
 enum { ULY_NCCL_SCRATCH = 64 };
 typedef struct uly_nccl {
     ncclComm_t comm;
@@ -606,11 +606,11 @@ template <typename T> static uly__box_fn uly__box_kernel_of(int64_t bytes, int m
 
 template <typename T>
 static uly_status uly__launch_boxes(const uly__boxes &b, int unpack, cudaStream_t s) {
+    if (!b.cols) return uly__ok();
     const int64_t bytes = uly__access_bytes(b, sizeof(T)), w = bytes / (int64_t)sizeof(T);
     int64_t most = 0; /* accesses in the largest box a column copies */
     for (int c = 0; c < b.cols; c++)
         most = uly__max(most, b.batch * b.width * b.count[b.box[c]] * b.dim / w);
-    if (!b.cols) return uly__ok();
     const int64_t blocks = uly__min((most + ULY__COPY_THREADS - 1) / ULY__COPY_THREADS,
                                     uly__max(1, ULY__COPY_BLOCKS / b.cols));
     const int mode = !unpack ? ULY__PACK : b.shared ? ULY__UNPACK_SUM : ULY__UNPACK;

@@ -291,25 +291,19 @@ TEST(pack_and_unpack_allocate_nothing) {
     cudaStreamDestroy(s);
 }
 
-/* Whether fn is uly__box_copy<T, W, mode> for some mode, W being `bytes` an access (or one
-   element where bytes is the element size). */
+/* Whether fn is uly__box_copy<T, W, mode> for some mode. */
+template <typename T, int W> static bool is_box_copy_w(const void *fn) {
+    return fn == (const void *)uly__box_copy<T, W, ULY__PACK> ||
+           fn == (const void *)uly__box_copy<T, W, ULY__UNPACK> ||
+           fn == (const void *)uly__box_copy<T, W, ULY__UNPACK_SUM>;
+}
+
+/* The same, W being `bytes` an access (one element where bytes is the element size). */
 template <typename T> static bool is_box_copy(const void *fn, int bytes) {
-    const void *const by_width[4][3] = {
-        {(const void *)uly__box_copy<T, 1, ULY__PACK>, (const void *)uly__box_copy<T, 1, ULY__UNPACK>,
-         (const void *)uly__box_copy<T, 1, ULY__UNPACK_SUM>},
-        {(const void *)uly__box_copy<T, 4 / sizeof(T), ULY__PACK>,
-         (const void *)uly__box_copy<T, 4 / sizeof(T), ULY__UNPACK>,
-         (const void *)uly__box_copy<T, 4 / sizeof(T), ULY__UNPACK_SUM>},
-        {(const void *)uly__box_copy<T, 8 / sizeof(T), ULY__PACK>,
-         (const void *)uly__box_copy<T, 8 / sizeof(T), ULY__UNPACK>,
-         (const void *)uly__box_copy<T, 8 / sizeof(T), ULY__UNPACK_SUM>},
-        {(const void *)uly__box_copy<T, 16 / sizeof(T), ULY__PACK>,
-         (const void *)uly__box_copy<T, 16 / sizeof(T), ULY__UNPACK>,
-         (const void *)uly__box_copy<T, 16 / sizeof(T), ULY__UNPACK_SUM>}};
-    const int row = bytes == 16 ? 3 : bytes == 8 ? 2 : bytes == 4 ? 1 : 0;
-    for (int m = 0; m < 3; m++)
-        if (fn == by_width[row][m]) return true;
-    return false;
+    return bytes == 16  ? is_box_copy_w<T, 16 / sizeof(T)>(fn)
+           : bytes == 8 ? is_box_copy_w<T, 8 / sizeof(T)>(fn)
+           : bytes == 4 ? is_box_copy_w<T, 4 / sizeof(T)>(fn)
+                        : is_box_copy_w<T, 1>(fn);
 }
 
 static bool is_box_copy(uly_dtype t, const void *fn, int bytes) {
