@@ -380,8 +380,10 @@ static double rank_order_sum(int P, int64_t i) {
 }
 
 /* allreduce_sum of n values, in device memory or in host memory, on a stream of the rank's own;
-   the results into got, and into off_stream the operations it queued elsewhere (emulated). */
-static uly_status sum(const uly_comm *c, int64_t n, int on_device, double *got, int *off_stream) {
+   the results into got, and into *off_stream the first operation it queued elsewhere (NULL if
+   none; emulated). */
+static uly_status sum(const uly_comm *c, int64_t n, int on_device, double *got,
+                      const char **off_stream) {
     for (int64_t i = 0; i < n; i++) got[i] = sum_value(c->rank, i);
     double *dev = NULL;
     cudaStream_t s;
@@ -392,8 +394,7 @@ static uly_status sum(const uly_comm *c, int64_t n, int on_device, double *got, 
     }
     uly_emu_record_reset();
     uly_status st = c->allreduce_sum(c->ctx, on_device ? dev : got, n, s);
-    *off_stream = 0;
-    for (const uly_emu_op &op : uly_emu_recorded_ops()) *off_stream += op.stream != s;
+    *off_stream = recorded_calls(s).off_stream;
     cudaStreamSynchronize(s);
     if (on_device) cudaMemcpy(got, dev, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost);
     cudaFree(dev);
@@ -406,7 +407,7 @@ typedef struct sum_job {
     int on_device;
     fault f;
     uly_status st[4];
-    int off_stream[4];
+    const char *off_stream[4];
     double got[4][SUM_MAX];
 } sum_job;
 
@@ -428,8 +429,9 @@ static void check_sum(int64_t n, int on_device, int chunks) {
         CHECK(!st.code, "P=%d: %s", P, st.msg);
         int64_t wrong = 0;
         for (int r = 0; r < P; r++) {
-            CHECK(!j.st[r].code && !j.off_stream[r], "P=%d rank %d: '%s', %d operations not "
-                  "on the caller's stream", P, r, j.st[r].msg, j.off_stream[r]);
+            CHECK(!j.st[r].code && !j.off_stream[r], "P=%d rank %d: '%s', %s not on the "
+                  "caller's stream", P, r, j.st[r].msg,
+                  j.off_stream[r] ? j.off_stream[r] : "nothing");
             for (int64_t i = 0; i < n; i++) wrong += j.got[r][i] != rank_order_sum(P, i);
         }
         const unsigned long long a = calls("ncclAllReduce") - a0;
@@ -449,23 +451,22 @@ TEST(allreduce_of_host_memory_goes_through_scratch_in_chunks) {
 
 /* Host memory and no stream, as uly_loss_reduce calls it: every operation on the per-thread
    default stream, none on the legacy one (which waits for every blocking stream, another
-   communicator's collectives among them). off[rank]: operations elsewhere. */
+   communicator's collectives among them). off[rank]: the first operation elsewhere, if any. */
 static void no_stream_main(const uly_comm *c, void *user) {
-    int *off = (int *)user;
+    const char **off = (const char **)user;
     double v[2] = {1, 2};
     uly_emu_record_reset();
     const uly_status st = c->allreduce_sum(c->ctx, v, 2, NULL);
     CHECK(!st.code && v[0] == c->size && v[1] == 2 * c->size, "rank %d: '%s', sums %g %g",
           c->rank, st.msg, v[0], v[1]);
-    for (const uly_emu_op &op : uly_emu_recorded_ops())
-        off[c->rank] += op.stream != cudaStreamPerThread;
+    off[c->rank] = recorded_calls(cudaStreamPerThread).off_stream;
 }
 
 TEST(host_allreduce_without_a_stream_runs_on_the_per_thread_stream) {
-    int off[2] = {0, 0};
+    const char *off[2] = {NULL, NULL};
     const uly_status st = nccl_run(2, no_stream_main, off);
-    CHECK(!st.code && !off[0] && !off[1], "'%s'; operations off the per-thread stream: %d, %d",
-          st.msg, off[0], off[1]);
+    CHECK(!st.code && !off[0] && !off[1], "'%s'; off the per-thread stream: %s, %s", st.msg,
+          off[0] ? off[0] : "nothing", off[1] ? off[1] : "nothing");
 }
 
 typedef struct bare_job {
@@ -482,7 +483,7 @@ static void bare_main(const uly_comm *c, void *user) {
     double host[2] = {1, 2};
     j->host[c->rank] = b.allreduce_sum(b.ctx, host, 2, NULL);
     j->barrier[c->rank] = b.barrier(b.ctx);
-    int off_stream;
+    const char *off_stream;
     j->dev[c->rank] = sum(&b, 1, 1, &j->got[c->rank], &off_stream);
 }
 
