@@ -57,7 +57,8 @@
        split across SP ranks (q_head0, kv_group), Sq != Sk, any lengths up to 4194240 (65535
        blocks of 64 rows), strided q/k/v/o (last dim contiguous, rows 16-byte aligned), lse fp32
        [B, H, Sq]. Fully masked rows give 0 and lse = +inf, never NaN; a deterministic mode.
-       uly_flash_varlen_* run packed documents (cu_seqlens). uly_cublaslt_attention()
+       uly_flash_varlen_* run packed documents (cu_seqlens), and uly_flash_varlen_attention()
+       runs them through the SP layer. uly_cublaslt_attention()
        (ULYSSES_CUBLASLT) is the unfused cuBLASLt path: the GPU-side second reference, and the
        fallback for any D <= 256, D % 8 == 0.
 
@@ -181,6 +182,12 @@ ULYDEF uly_attn uly_flash_attention(void);
    The workspace is the dense query's: uly_flash_attention().workspace(NULL, a). */
 ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v);
 ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v);
+
+/* The same as a uly_attn (ctx is v, which must outlive it): packed documents through the SP
+   layer. The layer attends over the full sequence, so v describes the documents of the whole
+   [1, S] sample, the same on every SP rank, and a document may cross any shard boundary.
+   The plan's batch must be 1. */
+ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v);
 
 #ifdef ULYSSES_CUBLASLT
 /* The unfused attention on cuBLASLt (include <cublasLt.h> first, link -lcublasLt): S = Q K^T and
@@ -2103,22 +2110,25 @@ static uly_status uly__fa_run(const uly_attn_args *a, const uly_varlen *vl, int 
     });
 }
 
+/* ctx: the uly_varlen, or NULL for dense tensors. */
 static uly_status uly__fa_fwd(void *ctx, const uly_attn_args *a) {
-    (void)ctx;
-    return uly__fa_run(a, NULL, 0);
+    return uly__fa_run(a, (const uly_varlen *)ctx, 0);
 }
 static uly_status uly__fa_bwd(void *ctx, const uly_attn_args *a) {
-    (void)ctx;
-    return uly__fa_run(a, NULL, 1);
+    return uly__fa_run(a, (const uly_varlen *)ctx, 1);
 }
 static uly_status uly__fa_check(void *ctx, const uly_attn_args *a, int backward) {
     uly__fa_params p;
-    (void)ctx;
-    return uly__fa_setup(a, NULL, backward, &p);
+    return uly__fa_setup(a, (const uly_varlen *)ctx, backward, &p);
 }
 
 ULYDEF uly_attn uly_flash_attention(void) {
     uly_attn at = {uly__fa_fwd, uly__fa_bwd, uly__fa_workspace, NULL, uly__fa_check, 1};
+    return at;
+}
+
+ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v) {
+    uly_attn at = {uly__fa_fwd, uly__fa_bwd, uly__fa_workspace, (void *)v, uly__fa_check, 1};
     return at;
 }
 

@@ -17,7 +17,9 @@
      is split; where one is, they are the summed shares bit for bit (two cases), within 2^-7
      (bf16) or 2^-10 (f16) relative in the rest.
      Against the CPU fp32 layer (uly_cpu_attention over uly_cpu_layout, the same inputs
-     widened) and fp64 it meets test_flash's accuracy rule.
+     widened) and fp64 it meets test_flash's accuracy rule. The same with packed documents
+     (uly_flash_varlen_attention) that cross shard boundaries, against unsharded varlen flash
+     and references that attend within each document.
    - Under the emulator, which records what each rank thread asks of the device: the flash
      layer's uly_forward and uly_backward queue everything on the caller's stream and allocate
      nothing.
@@ -195,13 +197,13 @@ static int kv_head_split(const sp_case *c) {
 static fvec as_fvec(const float *x, int64_t n) { return fvec(x, x + n); }
 static dvec as_dvec(const float *x, int64_t n) { return dvec(x, x + n); }
 
-/* The flash layer (in dQ mode `deterministic`) on c->P ranks of the device-local communicator,
-   on f's inputs, its results into f; the first error of the run or of a rank. j: the ranks'
-   record. */
-static uly_status run_flash_layer(const sp_case *c, uly_dtype t, int deterministic, sp_full *f,
-                                  job *j) {
+/* The layer with attention `attn` (flash, dense or varlen; in dQ mode `deterministic`) on c->P
+   ranks of the device-local communicator, on f's inputs, its results into f; the first error of
+   the run or of a rank. j: the ranks' record. */
+static uly_status run_flash_layer(const sp_case *c, uly_dtype t, int deterministic,
+                                  const uly_attn &attn, sp_full *f, job *j) {
     memset(j, 0, sizeof *j);
-    j->c = c, j->t = t, j->f = f, j->attn = uly_flash_attention();
+    j->c = c, j->t = t, j->f = f, j->attn = attn;
     j->deterministic = deterministic;
     uly_status st = uly_cuda_local_run(c->P, rank_main, j);
     for (int r = 0; r < c->P && !st.code; r++) st = j->st[r];
@@ -230,20 +232,29 @@ static inputs inputs_of(const sp_case *c, const sp_full *f) {
     return in;
 }
 
-static void check_flash_layer(const sp_case *c, uly_dtype t, int deterministic) {
+/* The flash layer against unsharded flash, and the references. docs (B = 1 only): the
+   cu_seqlens of packed documents over the full sequence, which the layer then attends within
+   (uly_flash_varlen_attention); NULL for a dense batch. The CPU layer has no documents, so
+   packed ones are checked against fp64 and plain references only. */
+static void check_flash_layer(const sp_case *c, uly_dtype t, int deterministic,
+                              const std::vector<int> *docs = NULL) {
     sp_full layer = sp_alloc(c, 11), cpu = sp_alloc(c, 11);
     round_inputs(c, &layer, t), round_inputs(c, &cpu, t);
+    const std::vector<int> cu = docs ? *docs : dense_cu(c->B, c->S);
+    int32_t *cu_dev = NULL;
+    const uly_varlen vl = docs ? varlen_on_device(cu, cu, &cu_dev) : uly_varlen{};
     job j;
-    uly_status st = run_flash_layer(c, t, deterministic, &layer, &j);
-    uly_status cs = sp_run_local(c, &cpu);
+    uly_status st = run_flash_layer(c, t, deterministic,
+                                    docs ? uly_flash_varlen_attention(&vl) : uly_flash_attention(),
+                                    &layer, &j);
+    uly_status cs = docs ? uly_status{} : sp_run_local(c, &cpu);
     CHECK(!st.code && !cs.code, "%s " SP_CASE_FMT ": flash layer '%s', cpu layer '%s'",
           dtype_name(t), SP_CASE_ARGS(c), st.msg, cs.msg);
 
     /* The same attention for flash_case.h: unsharded flash, fp64 and plain references. */
     const fcase fc = flash_case_of(c, t, deterministic);
     const inputs in = inputs_of(c, &layer);
-    const std::vector<int> cu = dense_cu(c->B, c->S);
-    const run_out whole = run_attn(fc, cu, cu, false, in, uly_flash_attention());
+    const run_out whole = run_attn(fc, cu, cu, docs, in, uly_flash_attention());
     if (st.code || cs.code || !whole.ok) goto done;
     {
         const int64_t n[5] = {sp_nq(c), sp_nlse(c), sp_nq(c), sp_nkv(c), sp_nkv(c)};
@@ -272,11 +283,12 @@ static void check_flash_layer(const sp_case *c, uly_dtype t, int deterministic) 
         ref.o = as_dvec(cpu.out, sp_nq(c)), ref.lse = as_dvec(cpu.lse, sp_nlse(c));
         ref.dq = as_dvec(cpu.dq, sp_nq(c)), ref.dk = as_dvec(cpu.dk, sp_nkv(c));
         ref.dv = as_dvec(cpu.dv, sp_nkv(c));
-        const outputs r64 = reference(fc, cu, cu, false, in, false);
-        const outputs low = reference(fc, cu, cu, false, in, true);
-        check_outputs(fc, got, r64, low, &ref);
+        const outputs r64 = reference(fc, cu, cu, docs, in, false);
+        const outputs low = reference(fc, cu, cu, docs, in, true);
+        check_outputs(fc, got, r64, low, docs ? NULL : &ref);
     }
 done:
+    cudaFree(cu_dev);
     sp_free(&layer), sp_free(&cpu);
 }
 
@@ -324,6 +336,19 @@ TEST(flash_layer_f16_matches_unsharded_flash_and_cpu_layer) { flash_matrix(ULY_F
 TEST(flash_layer_deterministic_bf16_is_bitwise_unsharded) { flash_matrix(ULY_BF16, 1); }
 TEST(flash_layer_deterministic_f16_is_bitwise_unsharded) { flash_matrix(ULY_F16, 1); }
 
+/* Packed documents (uly_flash_varlen_attention) through the layer: documents of one token, of
+   several tiles, and ones that cross shard boundaries (P = 3 over S = 150 shards at 50 and
+   100; P = 4 over 200 at 50, 100, 150); causal or not; a GQA group split across ranks. The
+   same checks as the dense layer, the references attending within each document. */
+TEST(flash_layer_attends_within_packed_documents) {
+    const sp_case cases[] = {{3, 1, 150, 6, 2, 64, 1, 1, 0}, {4, 1, 200, 4, 4, 128, 0, 0, 0},
+                             {2, 1, 130, 4, 1, 64, 1, 0, 0}};
+    const std::vector<int> docs[] = {{0, 1, 49, 51, 150}, {0, 130, 131, 200},
+                                     {0, 64, 65, 66, 130}};
+    for (int i = 0; i < 3; i++)
+        check_flash_layer(&cases[i], i == 1 ? ULY_F16 : ULY_BF16, i == 2, &docs[i]);
+}
+
 /* The flash layer's dK and dV of split groups are the ranks' shares summed as the DKV unpack
    sums them (summed_shares), bit for bit: MQA over 4 ranks (four shares of each value) in bf16,
    and g = 3 over H_r = 2 (two shares) in f16. */
@@ -336,7 +361,7 @@ TEST(flash_layer_split_group_gradients_are_the_summed_shares) {
         sp_full layer = sp_alloc(c, 13);
         round_inputs(c, &layer, t);
         job j;
-        const uly_status st = run_flash_layer(c, t, 0, &layer, &j);
+        const uly_status st = run_flash_layer(c, t, 0, uly_flash_attention(), &layer, &j);
         CHECK(!st.code, "%s " SP_CASE_FMT ": %s", dtype_name(t), SP_CASE_ARGS(c), st.msg);
         const fcase fc = flash_case_of(c, t, 0);
         const std::vector<int> cu = dense_cu(c->B, c->S);
@@ -373,7 +398,8 @@ template <typename F> static void each_recorded_rank(F f) {
         sp_full layer = sp_alloc(&c, 17);
         round_inputs(&c, &layer, ULY_BF16);
         job j;
-        const uly_status st = run_flash_layer(&c, ULY_BF16, deterministic, &layer, &j);
+        const uly_status st =
+            run_flash_layer(&c, ULY_BF16, deterministic, uly_flash_attention(), &layer, &j);
         CHECK(!st.code, "%s", st.msg);
         char what[64];
         for (int r = 0; r < c.P; r++) {
@@ -477,13 +503,15 @@ TEST(device_local_count_mismatch_is_an_error_not_a_hang) {
 typedef struct bad_job {
     int comm_size_of_plan; /* the plan's sp_size */
     int null_workspace, wrong_shape;
+    int packed_batch;      /* packed documents (flash varlen) with B = 2 */
     uly_status st[4];
 } bad_job;
 
 static void bad_main(const uly_comm *comm, void *user) {
     bad_job *j = (bad_job *)user;
     const int P = j->comm_size_of_plan;
-    const sp_case c = {P, 1, 8, 4, 4, 8, 0, 0, 0}; /* B, S, H, Hkv, D */
+    const int64_t B = j->packed_batch ? 2 : 1, D = j->packed_batch ? 64 : 8;
+    const sp_case c = {P, B, 8, 4, 4, D, 0, 0, 0}; /* B, S, H, Hkv, D */
     uly_plan plan;
     uly_status st = sp_plan(&c, P, comm->rank % P, ULY_BF16, &plan);
     if (st.code) {
@@ -493,14 +521,17 @@ static void bad_main(const uly_comm *comm, void *user) {
     uly_layer L;
     memset(&L, 0, sizeof L);
     L.plan = &plan, L.comm = comm;
-    L.attn = uly_cuda_reference_attention(), L.layout = uly_cuda_layout();
-    L.workspace_bytes = uly_layer_workspace(&L);
     void *saved, *buf;
+    cudaMalloc(&buf, 4096);
+    const int32_t *cu = (const int32_t *)buf; /* never read: the layer refuses first */
+    const uly_varlen docs = {cu, cu, 1, 8, 8};
+    L.attn = j->packed_batch ? uly_flash_varlen_attention(&docs) : uly_cuda_reference_attention();
+    L.layout = uly_cuda_layout();
+    L.workspace_bytes = uly_layer_workspace(&L);
     cudaMalloc(&L.workspace, (size_t)L.workspace_bytes);
     cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan));
-    cudaMalloc(&buf, 4096);
     int64_t Sr = uly_tokens(&plan, plan.sp_rank).count - j->wrong_shape;
-    uly_tensor q = uly_dense(buf, ULY_BF16, 1, Sr, 4, 8);
+    uly_tensor q = uly_dense(buf, ULY_BF16, B, Sr, 4, D);
     void *ws = L.workspace;
     if (j->null_workspace) L.workspace = NULL;
     j->st[comm->rank] = uly_forward(&L, q, q, q, q, saved);
@@ -534,6 +565,14 @@ TEST(layer_rejects_a_null_workspace) {
     memset(&j, 0, sizeof j);
     j.comm_size_of_plan = 2, j.null_workspace = 1;
     check_bad(j, "layer.workspace is NULL");
+}
+
+/* Packed documents span the one sequence of a batch of 1. */
+TEST(layer_rejects_packed_documents_in_a_batch) {
+    bad_job j;
+    memset(&j, 0, sizeof j);
+    j.comm_size_of_plan = 2, j.packed_batch = 1;
+    check_bad(j, "varlen: q.b must be 1");
 }
 
 int main(void) { return uly_run_tests(); }
