@@ -133,7 +133,8 @@ ULYDEF uly_tensor uly_dense(void *data, uly_dtype t, int64_t b, int64_t s, int64
 /* The view of heads [h0, h0 + n) of t. */
 ULYDEF uly_tensor uly_head_slice(uly_tensor t, int64_t h0, int64_t n);
 /* q, k, v views of a dense fused [b, s, nq + 2*nkv, d] buffer (q heads, k heads, v heads). The
-   views are checked where they are used; this fails only for a NULL output. */
+   views are checked where they are used; this fails for a NULL output, a size that is not
+   positive (nq or nkv negative) or a buffer whose bytes overflow int64. */
 ULYDEF uly_status uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, int64_t nq,
                                 int64_t nkv, int64_t d, uly_tensor *q, uly_tensor *k,
                                 uly_tensor *v);
@@ -322,7 +323,11 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l);
 /* Head-layout q, k, v, o and lse: what the forward keeps for the backward. */
 ULYDEF int64_t uly_saved_bytes(const uly_plan *p);
 ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
-/* q, k, v, out in sequence layout [B, S_r, H or Hkv, D] (views into a fused buffer are fine). */
+/* q, k, v, out in sequence layout [B, S_r, H or Hkv, D] (views into a fused buffer are fine).
+   saved, the workspace and the tensors must not overlap (an error), except that an output may be
+   written over an input of the same call (out over q, dq over dout): inputs are exchanged
+   before any output is written. dq, dk and dv may interleave (views of one fused buffer) but
+   not share an element. */
 ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
                               uly_tensor out, void *saved);
 /* dq, dk, dv are overwritten, in sequence layout. */
@@ -332,8 +337,8 @@ ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *
 /* ---------------------------------------------------------------------------------------------
    What a trainer needs around the layer */
 
-/* pos[b*S_r + i] = s0 + i: rows of wpe or RoPE tables for the local tokens (an error if
-   a position does not fit int32). */
+/* pos[b*S_r + i] = s0 + i: rows of wpe or RoPE tables for the local tokens. An error on every
+   rank if seq_len exceeds 2^31 (some rank's positions would not fit int32). */
 ULYDEF uly_status uly_positions(const uly_plan *p, int32_t *pos);
 /* local[b, i] = full[b, s0 + i]: the same [B, S] sample is loaded on every SP peer. */
 ULYDEF uly_status uly_shard_tokens(const uly_plan *p, const int32_t *full, int32_t *local);
@@ -343,7 +348,9 @@ ULYDEF uly_status uly_shard_labels(const uly_plan *p, const int32_t *full, int32
                                    int32_t *labels);
 /* Cross-entropy over n local tokens of vocabulary v: adds sum of -log softmax(logits)[label]
    and the count of labels != ignore_index. If dlogits is not NULL it gets the unscaled gradient
-   softmax - onehot (0 for ignored tokens); scale it by uly_loss_reduce's grad_scale. */
+   softmax - onehot (0 for ignored tokens); scale it by uly_loss_reduce's grad_scale. A token
+   with a NaN or infinite logit adds NaN, as it does in any framework: that is the model's
+   failure to report, not this call's. */
 ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, int64_t n,
                                     int64_t v, int32_t ignore_index, double *loss_sum,
                                     int64_t *count, float *dlogits);
@@ -489,8 +496,9 @@ ULYDEF uly_status uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, in
     ULY__CHECK(b > 0 && s > 0 && d > 0 && nq >= 0 && nkv >= 0, ULY_EINVAL, "uly_qkv_views: b "
                "(%lld), s (%lld), d (%lld) must be > 0 and nq (%lld), nkv (%lld) >= 0",
                ULY__LL(b), ULY__LL(s), ULY__LL(d), ULY__LL(nq), ULY__LL(nkv));
-    ULY__CHECK(all.sb >= 0, ULY_EOVERFLOW, "uly_qkv_views: [%lld, %lld, %lld + 2 * %lld, %lld] "
-               "overflows int64", ULY__LL(b), ULY__LL(s), ULY__LL(nq), ULY__LL(nkv), ULY__LL(d));
+    ULY__CHECK(uly__mul(uly__mul(b, all.sb), uly_dtype_size(t)) >= 0, ULY_EOVERFLOW,
+               "uly_qkv_views: [%lld, %lld, %lld + 2 * %lld, %lld] overflows int64", ULY__LL(b),
+               ULY__LL(s), ULY__LL(nq), ULY__LL(nkv), ULY__LL(d));
     *q = uly_head_slice(all, 0, nq);
     *k = uly_head_slice(all, nq, nkv);
     *v = uly_head_slice(all, uly__add(nq, nkv), nkv);
@@ -509,9 +517,11 @@ static uly_status uly__check_view(const char *name, uly_tensor t) {
     ULY__CHECK(t.b > 0 && t.s > 0 && t.h > 0 && t.d > 0, ULY_EINVAL,
                "%s: shape [%lld, %lld, %lld, %lld] must be positive", name, ULY__LL(t.b),
                ULY__LL(t.s), ULY__LL(t.h), ULY__LL(t.d));
-    ULY__CHECK(t.sb != -1 && t.ss != -1 && t.sh != -1, ULY_EOVERFLOW, "%s: a stride is -1, "
-               "uly_dense's mark of a shape [%lld, %lld, %lld, %lld] that overflows int64", name,
-               ULY__LL(t.b), ULY__LL(t.s), ULY__LL(t.h), ULY__LL(t.d));
+    ULY__CHECK((t.sb != -1 && t.ss != -1 && t.sh != -1) ||
+                   uly__mul(uly__mul(uly__mul(t.b, t.s), t.h), t.d) >= 0,
+               ULY_EOVERFLOW, "%s: shape [%lld, %lld, %lld, %lld] overflows int64 (uly_dense "
+               "marks its strides -1)", name, ULY__LL(t.b), ULY__LL(t.s), ULY__LL(t.h),
+               ULY__LL(t.d));
     ULY__CHECK(t.sb >= 0 && t.ss >= 0 && t.sh >= 0, ULY_EINVAL,
                "%s: strides (sb %lld, ss %lld, sh %lld) must be >= 0", name, ULY__LL(t.sb),
                ULY__LL(t.ss), ULY__LL(t.sh));
@@ -529,6 +539,49 @@ static uly_status uly__check_view(const char *name, uly_tensor t) {
     ULY__CHECK(uly__mul(span, uly_dtype_size(t.dtype)) >= 0, ULY_EOVERFLOW,
                "%s: the view spans more bytes than int64 holds", name);
     return uly__ok();
+}
+
+/* Bytes from a checked view's data (its first byte: strides are >= 0) past its last. */
+static int64_t uly__span(uly_tensor t) {
+    return ((t.b - 1) * t.sb + (t.s - 1) * t.ss + (t.h - 1) * t.sh + t.d) *
+           uly_dtype_size(t.dtype);
+}
+
+/* Whether bytes [a, a + an) and [b, b + bn) meet. */
+static int uly__meet(const void *a, int64_t an, const void *b, int64_t bn) {
+    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return x < y + (uintptr_t)bn && y < x + (uintptr_t)an;
+}
+
+/* Whether two checked views of one dtype may share an element. Views whose bytes interleave
+   can still be apart: the q, k and v heads of one fused buffer (uly_qkv_views) take turns row by
+   row. They are apart when they are two slices, one after the other, of one valid view along
+   one of its dims (same strides, same extents in the other dims); anything else whose bytes
+   meet counts as shared. */
+static int uly__share(uly_tensor x, uly_tensor y) {
+    if (!uly__meet(x.data, uly__span(x), y.data, uly__span(y))) return 0;
+    if ((uintptr_t)y.data < (uintptr_t)x.data) {
+        uly_tensor t = x;
+        x = y, y = t;
+    }
+    const uintptr_t gap = (uintptr_t)y.data - (uintptr_t)x.data;
+    const int64_t es = uly_dtype_size(x.dtype), at = (int64_t)(gap / (uintptr_t)es);
+    if (gap % (uintptr_t)es || x.d != y.d || x.sb != y.sb || x.ss != y.ss || x.sh != y.sh)
+        return 1;
+    const int64_t ex[3] = {x.b, x.s, x.h}, ey[3] = {y.b, y.s, y.h}, str[3] = {x.sb, x.ss, x.sh};
+    for (int m = 0; m < 3; m++) {
+        const int a = (m + 1) % 3, b = (m + 2) % 3;
+        if (!str[m] || at % str[m] || at / str[m] < ex[m] || ex[a] != ey[a] || ex[b] != ey[b])
+            continue;
+        /* y starts at index at / str[m] along m, past x's end: both in one view, if it is valid */
+        uly_tensor both = x;
+        const int64_t n = uly__add(at / str[m], ey[m]);
+        if (m == 0) both.b = n;
+        else if (m == 1) both.s = n;
+        else both.h = n;
+        if (!uly__check_view("", both).code) return 0;
+    }
+    return 1;
 }
 
 /* t is a valid view with the shape and dtype of want. */
@@ -549,10 +602,16 @@ static uly_status uly__check_like(const char *name, uly_tensor t, uly_tensor wan
 static int uly__is_kv(uly_xchg x) { return x == ULY_X_KV || x == ULY_X_DKV; }
 static int uly__to_head(uly_xchg x) { return x == ULY_X_Q || x == ULY_X_KV; }
 
-/* The fields the formulas divide by are sane: p came from uly_plan_init. */
+static uly_status uly__check_desc(const uly_plan_desc *d);
+
+/* p is as uly_plan_init made it: a valid desc and the fields derived from it (a plan changed
+   afterwards would size and index buffers by fields that disagree). */
 static int uly__plan_ok(const uly_plan *p) {
-    return p && p->desc.sp_size >= 1 && p->desc.sp_size <= ULY_MAX_SP && p->group >= 1 &&
-           p->sp_rank >= 0 && p->sp_rank < p->desc.sp_size;
+    return p && !uly__check_desc(&p->desc).code &&
+           p->sp_rank == p->desc.rank % p->desc.sp_size &&
+           p->dp_rank == p->desc.rank / p->desc.sp_size &&
+           p->group * p->desc.n_kv_heads == p->desc.n_heads &&
+           p->elem_size == uly_dtype_size(p->desc.dtype);
 }
 
 /* n items over P ranks in order, the first n % P ranks one more. */
@@ -626,8 +685,8 @@ ULYDEF uly_status uly_exchange_counts(const uly_plan *p, uly_xchg x, int64_t *se
                                       int64_t *send_offs, int64_t *recv_counts,
                                       int64_t *recv_offs) {
     int64_t sent = 0, got = 0;
-    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "uly_exchange_counts: plan is NULL or not from "
-               "uly_plan_init");
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "uly_exchange_counts: plan is NULL or not as "
+               "uly_plan_init made it");
     ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "uly_exchange_counts: x (%d) is not "
                "a uly_xchg", (int)x);
     ULY__CHECK(send_counts && send_offs && recv_counts && recv_offs, ULY_EINVAL,
@@ -813,7 +872,8 @@ static uly_status uly__check_counts(int P, const void *send, const int64_t *sc,
                    "offsets must be >= 0 and their sums fit int64", j, ULY__LL(sc[j]),
                    ULY__LL(so[j]), ULY__LL(rc[j]), ULY__LL(ro[j]));
         ULY__CHECK((send || !sc[j]) && (recv || !rc[j]), ULY_EINVAL,
-                   "alltoallv: %s is NULL but peer %d has bytes in it", send ? "recv" : "send", j);
+                   "alltoallv: %s is NULL but peer %d has bytes in it",
+                   send || !sc[j] ? "recv" : "send", j);
     }
     return uly__ok();
 }
@@ -1283,7 +1343,8 @@ static void uly__sum_kv_copies(const uly_plan *p, uly_tensor t, const char *recv
    peer order; in t peer j's block is the view of j's heads (sequence layout) or of j's tokens
    (head layout). */
 static uly_status uly__cpu_move(const uly_plan *p, uly_xchg x, int pack, uly_tensor t, char *buf) {
-    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "layout: plan is NULL or not from uly_plan_init");
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL,
+               "layout: plan is NULL or not as uly_plan_init made it");
     ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "layout: exchange (%d) is not a "
                "uly_xchg", (int)x);
     int seq = pack == uly__to_head(x);
@@ -1662,7 +1723,8 @@ static uly_status uly__check_layer(const uly_layer *l, int backward, const void 
     ULY__CHECK(l, ULY_EINVAL, "layer is NULL");
     const uly_plan *p = l->plan;
     const uly_comm *c = l->comm;
-    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "layer.plan is NULL or not from uly_plan_init");
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL,
+               "layer.plan is NULL or not as uly_plan_init made it");
     ULY__CHECK(c, ULY_EINVAL, "layer.comm is NULL");
     ULY__CHECK(c->size == p->desc.sp_size, ULY_EINVAL, "layer.comm->size (%d) != sp_size (%d)",
                c->size, p->desc.sp_size);
@@ -1736,6 +1798,30 @@ typedef struct uly__pass {
     uly_attn_args a;
 } uly__pass;
 
+/* What a pass writes must not share memory with what it reads or writes after: saved and the
+   workspace are apart from each other and from the tensors, and the three gradients from each
+   other. An output may alias an input (out over q, dq over dout): the inputs are exchanged
+   before any output is written. */
+static uly_status uly__check_apart(const uly_layer *l, int backward, const void *saved,
+                                   const char *const names[4], const uly_tensor t[4]) {
+    const int64_t ws = uly__layer_bytes(l), sv = uly_saved_bytes(l->plan);
+    ULY__CHECK(!uly__meet(saved, sv, l->workspace, ws), ULY_EINVAL,
+               "saved (%lld bytes) and layer.workspace (%lld bytes) overlap", ULY__LL(sv),
+               ULY__LL(ws));
+    for (int i = 0; i < 4; i++) {
+        const int64_t n = uly__span(t[i]);
+        const int in_saved = uly__meet(t[i].data, n, saved, sv);
+        ULY__CHECK(!in_saved && !uly__meet(t[i].data, n, l->workspace, ws), ULY_EINVAL,
+                   "%s overlaps %s: the layer writes there while it needs %s", names[i],
+                   in_saved ? "saved" : "layer.workspace", names[i]);
+        for (int j = 1; backward && j < i; j++)
+            ULY__CHECK(!uly__share(t[j], t[i]), ULY_EINVAL,
+                       "%s and %s share memory: each gradient needs elements of its own",
+                       names[j], names[i]);
+    }
+    return uly__ok();
+}
+
 /* Checks the layer, saved and the four sequence-layout tensors t of a forward (q, k, v, out) or
    backward (dout, dq, dk, dv), each against the exchange it goes through, then lays out s. */
 static uly_status uly__begin(const uly_layer *l, int backward, void *saved,
@@ -1747,6 +1833,7 @@ static uly_status uly__begin(const uly_layer *l, int backward, void *saved,
     for (int i = 0; i < 4; i++)
         ULY__TRY(uly__check_like(names[i], t[i],
                                  uly__seq_layout(p, (backward ? bwd : fwd)[i], NULL)));
+    ULY__TRY(uly__check_apart(l, backward, saved, names, t));
     uly__heads_at(p, saved, &s->h);
     uly__work_at(p, l->workspace, &s->w);
     s->a = uly__args(l, &s->h, uly_saved_lse(p, saved), backward ? &s->w.grad : NULL,
@@ -1785,7 +1872,8 @@ ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *
 
 static uly_status uly__check_shard(const char *fn, const uly_plan *p, const void *in,
                                    const void *out) {
-    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "%s: plan is NULL or not from uly_plan_init", fn);
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "%s: plan is NULL or not as uly_plan_init made it",
+               fn);
     ULY__CHECK(in && out, ULY_EINVAL, "%s: a buffer is NULL", fn);
     return uly__ok();
 }
@@ -1825,8 +1913,9 @@ ULYDEF uly_status uly_shard_labels(const uly_plan *p, const int32_t *full, int32
 ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, int64_t n,
                                     int64_t v, int32_t ignore_index, double *loss_sum,
                                     int64_t *count, float *dlogits) {
-    ULY__CHECK(logits && labels && loss_sum && count, ULY_EINVAL,
-               "cross_entropy: logits, labels, loss_sum and count must not be NULL");
+    ULY__CHECK(((logits && labels) || !n) && loss_sum && count, ULY_EINVAL,
+               "cross_entropy: logits and labels (unless n is 0), loss_sum and count must not be "
+               "NULL");
     ULY__CHECK(n >= 0 && v >= 1, ULY_EINVAL, "cross_entropy: n (%lld) must be >= 0 and v (%lld) "
                ">= 1", ULY__LL(n), ULY__LL(v));
     ULY__CHECK(uly__mul(n, v) >= 0, ULY_EOVERFLOW, "cross_entropy: n (%lld) x v (%lld) overflows "

@@ -162,14 +162,15 @@ static inline void sp_shard_store_lse(const sp_shard *s, const sp_case *c, const
 }
 
 /* Runs the layer on this rank of `comm` (an SP group of a world of world_size ranks, this one
-   being `rank`) and writes its shards into f. */
+   being `rank`) and writes its shards into f; in_place: out written over q, dq over dout. */
 static inline uly_status sp_run_rank(const uly_comm *comm, int world_size, int rank,
-                                     const sp_case *c, sp_full *f) {
+                                     const sp_case *c, sp_full *f, int in_place) {
     uly_plan plan;
     uly_status st = sp_plan(c, world_size, rank, ULY_F32, &plan);
     if (st.code) return st;
     sp_shard s = sp_shard_alloc(c, &plan);
     sp_shard_load(&s, c, f);
+    if (in_place) s.o = s.q, s.dq = s.dO;
 
     uly_layer L;
     memset(&L, 0, sizeof L);
@@ -205,7 +206,7 @@ typedef struct sp__local_job {
 
 static inline void sp__local_rank(const uly_comm *comm, void *user) {
     sp__local_job *j = (sp__local_job *)user;
-    j->st[comm->rank] = sp_run_rank(comm, j->c->P, comm->rank, j->c, j->f);
+    j->st[comm->rank] = sp_run_rank(comm, j->c->P, comm->rank, j->c, j->f, 0);
 }
 
 static inline uly_status sp_run_local(const sp_case *c, sp_full *f) {

@@ -59,7 +59,7 @@ static const plan_bad plan_table[] = {
     {"sp_size 0", P_SP, 0, P_SP, 0, ULY_EINVAL, "sp_size"},
     {"sp_size negative", P_SP, -4, P_SP, -4, ULY_EINVAL, "sp_size"},
     {"sp_size > n_heads", P_SP, 8, P_H, 4, ULY_EINVAL, "sp_size"},
-    {"sp_size > ULY_MAX_SP", P_SP, 512, P_WORLD, 512, ULY_EINVAL, "sp_size"},
+    {"sp_size > ULY_MAX_SP", P_SP, 512, P_WORLD, 512, ULY_EINVAL, "(512) must be in [1, 256]"},
     {"seq_len < sp_size", P_S, 3, P_S, 3, ULY_EINVAL, "seq_len"},
     {"seq_len negative", P_S, -16, P_S, -16, ULY_EINVAL, "seq_len"},
     {"world_size not a multiple of sp_size", P_WORLD, 6, P_WORLD, 6, ULY_EINVAL, "world_size"},
@@ -162,8 +162,8 @@ TEST(positions_beyond_int32_are_an_error_not_wrapped) {
 TEST(qkv_views_reject_a_null_output) {
     float buf[6 * 4];
     uly_tensor q, k;
-    check_status(uly_qkv_views(buf, ULY_F32, 1, 1, 4, 1, 4, &q, &k, NULL), ULY_EINVAL, "v",
-                 "v NULL");
+    check_status(uly_qkv_views(buf, ULY_F32, 1, 1, 4, 1, 4, &q, &k, NULL), ULY_EINVAL,
+                 "v is NULL", "v NULL");
 }
 
 TEST(a_view_whose_shape_overflows_int64_is_eoverflow) {
@@ -184,6 +184,8 @@ TEST(qkv_views_reject_negative_counts_and_shapes_that_overflow_int64) {
     check_status(uly_qkv_views(buf, ULY_F32, 1, (int64_t)1 << 40, (int64_t)1 << 20, 1, 1 << 10,
                                &q, &k, &v),
                  ULY_EOVERFLOW, "overflows", "2^40 tokens x 2^20 heads x 2^10");
+    check_status(uly_qkv_views(buf, ULY_F32, (int64_t)1 << 40, 1, 1, 0, 1 << 30, &q, &k, &v),
+                 ULY_EOVERFLOW, "overflows", "2^40 batches of 2^30 elements");
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -297,7 +299,16 @@ static uly_status f_attn_refuses(fixture *f) {
     f->tq.dtype = f->tk.dtype = f->tv.dtype = f->to.dtype = ULY_BF16;
     return fwd(f);
 }
+static uly_status f_saved_in_ws(fixture *f) { f->saved = (char *)f->ws + 256; return fwd(f); }
+static uly_status f_k_in_saved(fixture *f) { f->tk.data = f->saved_buf; return fwd(f); }
+static uly_status f_out_in_ws(fixture *f) { f->to.data = (char *)f->ws + 64; return fwd(f); }
+static uly_status f_plan_kv_changed(fixture *f) { f->plan.desc.n_kv_heads = 1; return fwd(f); }
+static uly_status f_plan_dtype_changed(fixture *f) { f->plan.desc.dtype = ULY_BF16; return fwd(f); }
 static uly_status b_dout_null(fixture *f) { f->tdo.data = NULL; return bwd(f); }
+static uly_status b_dout_in_ws(fixture *f) { f->tdo.data = f->ws; return bwd(f); }
+static uly_status b_dv_in_saved(fixture *f) { f->tdv.data = f->saved_buf; return bwd(f); }
+static uly_status b_dk_in_dq(fixture *f) { f->tdk.data = f->dq + FD; return bwd(f); }
+static uly_status b_dv_is_dk(fixture *f) { f->tdv = f->tdk; return bwd(f); }
 static uly_status b_dq_tokens(fixture *f) { f->tdq.s = FSR - 1; return bwd(f); }
 static uly_status b_dk_heads(fixture *f) { f->tdk.h = FHKV + 1; return bwd(f); }
 static uly_status b_dv_dtype(fixture *f) { f->tdv.dtype = ULY_BF16; return bwd(f); }
@@ -334,6 +345,8 @@ static const layer_bad layer_table[] = {
     {"forward: comm rank 1, sp_rank 0", f_comm_rank, ULY_EINVAL, "comm"},
     {"forward: comm NULL", f_comm_null, ULY_EINVAL, "comm"},
     {"forward: plan NULL", f_plan_null, ULY_EINVAL, "plan"},
+    {"forward: plan's n_kv_heads changed after init", f_plan_kv_changed, ULY_EINVAL, "plan"},
+    {"forward: plan's dtype changed after init", f_plan_dtype_changed, ULY_EINVAL, "plan"},
     {"forward: workspace NULL", f_ws_null, ULY_EINVAL, "workspace"},
     {"forward: workspace one byte short", f_ws_small, ULY_EINVAL, "workspace"},
     {"forward: attn.fwd NULL", f_attn_null, ULY_EINVAL, "attn.fwd"},
@@ -342,7 +355,15 @@ static const layer_bad layer_table[] = {
     {"forward: layout on GPU memory, comm on host", f_layout_device, ULY_EINVAL, "device"},
     {"forward: attention on GPU memory, comm on host", f_attn_device, ULY_EINVAL, "device"},
     {"forward: bf16 into the f32-only CPU attention", f_attn_refuses, ULY_EUNSUPPORTED, "f32"},
+    /* saved: q and o [8, 2, 8] and k, v [8, 1, 8] fp32, then lse [2, 8] padded to 256 bytes */
+    {"forward: saved inside the workspace", f_saved_in_ws, ULY_EINVAL, "saved (1792 bytes) and"},
+    {"forward: k inside saved", f_k_in_saved, ULY_EINVAL, "k overlaps saved"},
+    {"forward: out inside the workspace", f_out_in_ws, ULY_EINVAL, "out overlaps layer.work"},
     {"backward: dout data NULL", b_dout_null, ULY_EINVAL, "dout:"},
+    {"backward: dout is the workspace", b_dout_in_ws, ULY_EINVAL, "dout overlaps layer.work"},
+    {"backward: dv inside saved", b_dv_in_saved, ULY_EINVAL, "dv overlaps saved"},
+    {"backward: dk inside dq", b_dk_in_dq, ULY_EINVAL, "dq and dk share memory"},
+    {"backward: dv is dk", b_dv_is_dk, ULY_EINVAL, "dk and dv share memory"},
     {"backward: dq has S_r - 1 tokens", b_dq_tokens, ULY_EINVAL, "dq:"},
     {"backward: dk has Hkv + 1 heads", b_dk_heads, ULY_EINVAL, "dk:"},
     {"backward: dv bf16", b_dv_dtype, ULY_EINVAL, "dtype"},
@@ -367,6 +388,18 @@ TEST(forward_and_backward_reject_each_invalid_argument_before_any_exchange) {
     }
 }
 
+/* A plan changed after uly_plan_init would size the kv blocks by one kv head and index four. */
+TEST(cpu_layout_rejects_a_plan_changed_after_init) {
+    fixture *f = (fixture *)malloc(sizeof *f);
+    fixture_init(f);
+    f->plan.desc.n_kv_heads = 1;
+    uly_layout cpu = uly_cpu_layout();
+    check_status(cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, f->tk, f->ws, NULL), ULY_EINVAL,
+                 "plan is NULL or not as uly_plan_init made it", "pack with n_kv_heads changed");
+    fixture_free(f);
+    free(f);
+}
+
 TEST(a_valid_call_reaches_the_communicator_and_returns_its_error) {
     /* The fixture is valid: the first exchange fails in the stub, and that error comes back. */
     fixture *f = (fixture *)malloc(sizeof *f);
@@ -379,6 +412,42 @@ TEST(a_valid_call_reaches_the_communicator_and_returns_its_error) {
     check_status(st, ULY_ECOMM, "stub communicator called", "forward with a failing comm");
     fixture_free(f);
     free(f);
+}
+
+/* The gradients may be views of one fused buffer, which interleave row by row without sharing
+   an element; the check must tell them from views that do share one. */
+TEST(gradient_views_that_interleave_are_told_from_views_that_share_an_element) {
+    static float buf[2 * 3 * 8 * 8];
+    uly_tensor q, k, v;
+    CHECK(!uly_qkv_views(buf, ULY_F32, 2, 3, 4, 2, 8, &q, &k, &v).code, "fused views");
+    /* the same heads stored heads-outer: [2, 8 heads, 3 tokens, 8] seen as [b, s, h, d] */
+    uly_tensor hq = uly_dense(buf, ULY_F32, 2, 3, 4, 8), hk;
+    hq.sb = 8 * 3 * 8, hq.ss = 8, hq.sh = 3 * 8;
+    hk = hq, hk.h = 2, hk.data = buf + 4 * 3 * 8;
+    /* tokens [0, 2) and [2, 3) of each batch of a dense [2, 3, 8, 8], and [1, 3) */
+    uly_tensor all = uly_dense(buf, ULY_F32, 2, 3, 8, 8), t0 = all, t1 = all, t2 = all;
+    t0.s = 2, t1.s = 1, t1.data = buf + 2 * 8 * 8, t2.s = 2, t2.data = buf + 8 * 8;
+    uly_tensor q_shift = q, kv = uly_head_slice(all, 4, 3); /* heads 4..6: k and v's first */
+    q_shift.data = buf + 1;
+    const struct {
+        const char *what;
+        uly_tensor x, y;
+        int share;
+    } pairs[] = {
+        {"fused q, k", q, k, 0},       {"fused k, v", k, v, 0},
+        {"fused v, q", v, q, 0},       {"heads-outer q, k", hq, hk, 0},
+        {"tokens [0, 2), [2, 3)", t0, t1, 0},
+        {"fused q, q", q, q, 1},       {"k, heads 4..6", k, kv, 1},
+        {"v, heads 4..6", v, kv, 1},   {"q, q one element on", q, q_shift, 1},
+        {"tokens [0, 2), [1, 3)", t0, t2, 1},
+        {"fused q, heads-outer k", q, hk, 1},
+    };
+    for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++) {
+        CHECK(uly__share(pairs[i].x, pairs[i].y) == pairs[i].share &&
+                  uly__share(pairs[i].y, pairs[i].x) == pairs[i].share,
+              "%s: share %d, want %d", pairs[i].what, uly__share(pairs[i].x, pairs[i].y),
+              pairs[i].share);
+    }
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -419,6 +488,7 @@ static const attn_bad attn_table[] = {
     {"softmax_scale NaN", 0, ULY_EINVAL, "softmax_scale"},
     {"q_head0 negative", 0, ULY_EINVAL, "q_head0"},
     {"q_head0 + q.h beyond int64", 0, ULY_EINVAL, "q_head0"},
+    {"q.ss = -1 (a negative stride, not uly_dense's overflow mark)", 0, ULY_EINVAL, ">= 0"},
 };
 
 static void break_args(uly_attn_args *a, int i) {
@@ -438,6 +508,7 @@ static void break_args(uly_attn_args *a, int i) {
     case 12: a->softmax_scale = NAN; break;
     case 13: a->q_head0 = -1; break;
     case 14: a->q_head0 = INT64_MAX - 1; break;
+    case 15: a->q.ss = -1; break;
     }
 }
 
@@ -483,6 +554,14 @@ TEST(cross_entropy_rejects_a_label_out_of_the_vocabulary) {
                  "label", "label -7 that is not ignore_index");
 }
 
+TEST(cross_entropy_of_no_token_takes_null_buffers) {
+    double sum = 0;
+    int64_t count = 0;
+    uly_status st = uly_cross_entropy(NULL, NULL, 0, 4, -100, &sum, &count, NULL);
+    CHECK(st.code == ULY_OK && sum == 0 && count == 0, "n = 0: %s, sum %g, count %lld", st.msg,
+          sum, (long long)count);
+}
+
 TEST(cross_entropy_rejects_null_logits) {
     int32_t labels[1] = {0};
     double sum = 0;
@@ -503,6 +582,19 @@ TEST(local_run_rejects_size_0_and_negative_and_above_ULY_MAX_SP) {
     check_status(uly_local_run(ULY_MAX_SP + 1, never_run, &runs), ULY_EINVAL, "size",
                  "size ULY_MAX_SP + 1");
     CHECK(runs == 0, "fn ran %d times", runs);
+}
+
+/* send is NULL with nothing to send, recv is NULL with bytes to receive: recv is the one. */
+static void null_recv(const uly_comm *c, void *user) {
+    const int64_t none = 0, eight = 8;
+    *(uly_status *)user = c->alltoallv(c->ctx, NULL, &none, &none, NULL, &eight, &none, NULL);
+}
+
+TEST(local_alltoallv_names_the_null_buffer_that_has_bytes) {
+    uly_status got;
+    uly_status st = uly_local_run(1, null_recv, &got);
+    CHECK(st.code == ULY_OK, "%s", st.msg);
+    check_status(got, ULY_EINVAL, "recv is NULL", "recv NULL with 8 bytes");
 }
 
 TEST(local_run_rejects_a_null_function) {

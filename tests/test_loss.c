@@ -254,6 +254,7 @@ typedef struct loss_job {
     double mean[LMAXP], scale[LMAXP], sum[LMAXP];
     int64_t count[LMAXP];
     float *dlogits;         /* [LB, LS, LV], each rank scales and writes its tokens */
+    float *unscaled;        /* the same before scaling by grad_scale */
     uly_status st[LMAXP];
 } loss_job;
 
@@ -279,13 +280,16 @@ static void loss_rank(const uly_comm *comm, void *user) {
     j->count[r] = count;
     j->st[r] = uly_loss_reduce(comm, sum, count, &j->mean[r], &j->scale[r]);
     for (int64_t b = 0; b < LB; b++)
-        for (int64_t i = 0; i < Sr * LV; i++)
-            j->dlogits[(b * LS + tok.start) * LV + i] = (float)(dl[b * Sr * LV + i] * j->scale[r]);
+        for (int64_t i = 0; i < Sr * LV; i++) {
+            const int64_t at = (b * LS + tok.start) * LV + i;
+            j->dlogits[at] = (float)(dl[b * Sr * LV + i] * j->scale[r]);
+            j->unscaled[at] = dl[b * Sr * LV + i];
+        }
 }
 
 /* Runs the SP loss on P ranks and checks it against the unsharded fp64 mean and gradient. */
 static void check_sp_loss(int P, const int32_t *tokens, const char *what) {
-    static float logits[LB * LS * LV], dlogits[LB * LS * LV];
+    static float logits[LB * LS * LV], dlogits[LB * LS * LV], unscaled[LB * LS * LV];
     static double want_d[LB * LS * LV];
     int32_t labels[LB * LS];
     ref_fill(logits, LB * LS * LV, 31);
@@ -301,7 +305,7 @@ static void check_sp_loss(int P, const int32_t *tokens, const char *what) {
     j.P = P;
     j.tokens = tokens;
     j.logits = logits;
-    j.dlogits = dlogits;
+    j.dlogits = dlogits, j.unscaled = unscaled;
     uly_status st = uly_local_run(P, loss_rank, &j);
     CHECK(st.code == ULY_OK, "%s P=%d: %s", what, P, st.msg);
     for (int r = 0; r < P; r++) {
@@ -335,13 +339,13 @@ TEST(a_rank_whose_labels_are_all_ignored_contributes_zero_and_no_nan) {
         for (int t = 7; t < 13; t++) tokens[b * LS + t] = IGNORE;
     check_sp_loss(4, tokens, "rank 1 empty");
     loss_job j;
-    static float logits[LB * LS * LV], dl[LB * LS * LV];
+    static float logits[LB * LS * LV], dl[LB * LS * LV], unscaled[LB * LS * LV];
     ref_fill(logits, LB * LS * LV, 31);
     memset(&j, 0, sizeof j);
     j.P = 4;
     j.tokens = tokens;
     j.logits = logits;
-    j.dlogits = dl;
+    j.dlogits = dl, j.unscaled = unscaled;
     uly_status st = uly_local_run(4, loss_rank, &j);
     CHECK(st.code == ULY_OK, "%s", st.msg);
     CHECK(j.sum[1] == 0 && j.count[1] == 0, "rank 1: sum %g count %lld", j.sum[1],
@@ -356,20 +360,20 @@ TEST(when_no_rank_has_a_valid_token_mean_and_grad_scale_are_zero) {
     for (int i = 0; i < LB * LS; i++) tokens[i] = IGNORE;
     for (int P = 1; P <= 4; P++) {
         loss_job j;
-        static float logits[LB * LS * LV], dl[LB * LS * LV];
+        static float logits[LB * LS * LV], dl[LB * LS * LV], unscaled[LB * LS * LV];
         ref_fill(logits, LB * LS * LV, 31);
         memset(&j, 0, sizeof j);
         j.P = P;
         j.tokens = tokens;
         j.logits = logits;
-        j.dlogits = dl;
+        j.dlogits = dl, j.unscaled = unscaled;
         uly_status st = uly_local_run(P, loss_rank, &j);
         CHECK(st.code == ULY_OK, "%s", st.msg);
         for (int r = 0; r < P; r++)
             CHECK(j.st[r].code == ULY_OK && j.mean[r] == 0 && j.scale[r] == 0,
                   "P=%d rank %d: mean %g scale %g (%s)", P, r, j.mean[r], j.scale[r], j.st[r].msg);
-        int bad = 0;
-        for (int i = 0; i < LB * LS * LV; i++) bad += dl[i] != 0;
+        int bad = 0; /* grad_scale is 0 here: the gradient must be 0 before it, too */
+        for (int i = 0; i < LB * LS * LV; i++) bad += dl[i] != 0 || unscaled[i] != 0;
         CHECK(bad == 0, "P=%d: %d non-zero dlogits", P, bad);
     }
 }

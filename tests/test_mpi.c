@@ -135,7 +135,7 @@ static double rows_diff_fd(const float *a, const double *b, int64_t B, int64_t S
    and checks the shard against uly_cpu_attention (bits / 1e-6) and fp64 (1e-5). */
 static void check_layer(const uly_comm *comm, const sp_case *c, uint64_t seed, const char *what) {
     sp_full f = sp_alloc(c, seed), cpu = sp_alloc(c, seed);
-    uly_status st = sp_run_rank(comm, world_size, world_rank, c, &f);
+    uly_status st = sp_run_rank(comm, world_size, world_rank, c, &f, 0);
     ALL_CHECK(st.code == ULY_OK, "%s: %s", what, st.msg);
     st = sp_cpu_reference(c, &cpu);
     ALL_CHECK(st.code == ULY_OK, "%s: cpu reference: %s", what, st.msg);

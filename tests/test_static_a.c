@@ -15,9 +15,10 @@ TEST(two_static_copies_of_the_implementation_link_and_agree) {
     uly_plan p;
     uly_status st = uly_plan_init(&p, &d);
     CHECK(st.code == ULY_OK, "%s", st.msg);
-    for (int r = 0; r < 4; r++)
-        CHECK(uly_kv_heads(&p, r).start == static_b_kv_heads(r), "rank %d: %lld here, %lld there",
-              r, (long long)uly_kv_heads(&p, r).start, (long long)static_b_kv_heads(r));
+    for (int r = 0; r < 4; r++) /* heads [2r, 2r + 2) of groups of 4: kv head r / 2 */
+        CHECK(uly_kv_heads(&p, r).start == r / 2 && static_b_kv_heads(r) == r / 2,
+              "rank %d: %lld here, %lld there, want %d", r,
+              (long long)uly_kv_heads(&p, r).start, (long long)static_b_kv_heads(r), r / 2);
 }
 
 int main(void) { return uly_run_tests(); }
