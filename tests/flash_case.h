@@ -1,8 +1,8 @@
 /* flash_case.h - the harness of the attention kernel tests (test_flash.cu, emulated and on a
    GPU; test_cublaslt.cu): cases, inputs rounded to the dtype and seeded by the case itself, the
    fp64 and plain-precision references, device tensors (dense or padded), one forward + backward
-   run of a uly_attn, and the accuracy rule. Include after ulysses_cuda.cuh (with its
-   implementation) and check.h. */
+   run of a uly_attn, the accuracy rule, and the exact outputs of rows that keep no key. Include
+   after ulysses_cuda.cuh (with its implementation) and check.h. */
 #ifndef ULY_FLASH_CASE_H
 #define ULY_FLASH_CASE_H
 
@@ -457,6 +457,30 @@ static inline run_out check_case(const fcase &c) {
     const outputs cpu = run_cpu(c, in);
     check_outputs(c, got, r64, low, &cpu);
     return got;
+}
+
+/* Query rows that keep no key must give o and dq exactly 0 and lse = +inf; returns how many of
+   those values differ. rows index the Sq rows of each of the B batches (packed documents are a
+   batch of one). */
+static inline int masked_rows_wrong(const fcase &c, const run_out &r,
+                                    const std::vector<int64_t> &rows) {
+    int bad = 0;
+    for (int64_t b = 0; b < c.B; b++)
+        for (int64_t h = 0; h < c.H; h++)
+            for (int64_t i : rows) {
+                const float l = r.lse[(size_t)((b * c.H + h) * c.Sq + i)];
+                bad += !(std::isinf(l) && l > 0);
+                const size_t row = (size_t)(((b * c.Sq + i) * c.H + h) * c.D);
+                for (size_t d = 0; d < (size_t)c.D; d++)
+                    bad += r.o[row + d] != 0 || r.dq[row + d] != 0;
+            }
+    return bad;
+}
+
+static inline std::vector<int64_t> row_range(int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    for (int64_t i = begin; i < end; i++) rows.push_back(i);
+    return rows;
 }
 
 /* ---------------------------------------------------------------------------------------------
