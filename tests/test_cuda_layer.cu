@@ -2,9 +2,13 @@
    uly_cuda_layout, the device-local communicator (P virtual ranks on one GPU), and
    uly_cuda_reference_attention or uly_flash_attention.
 
-   - The reference attention agrees with uly_cpu_attention (fp32 within 2e-6; bf16 and f16
-     against the CPU on the same rounded inputs, within their rounding), including Sq != Sk,
-     rows that keep no key (0 and lse = +inf), and a GQA group split at q_head0.
+   - The reference attention with Sq = Sk, forward and backward, agrees with uly_cpu_attention
+     (fp32 within 2e-6 relative; bf16 and f16 on the same rounded inputs, within their
+     rounding). In fp32 with Sq < Sk and Sq > Sk, causal or not, GQA (H = 4 over Hkv = 2),
+     B = 2, a decode step (Sq = 1) and an explicit scale, and with a GQA group split at q_head0
+     (causal, Sq > Sk): every value of out, lse, dq, dk and dv is within 2e-6 (absolute) of
+     fp64 (flash_case.h's reference) and of uly_cpu_attention, and rows that keep no key
+     (causal, Sq > Sk: the first Sq - Sk) give out and dq exactly 0 and lse = +inf.
    - The layer over P = 1..4 virtual ranks, forward and backward, in each dtype: out, lse and dq
      are bit-identical to the same attention run unsharded (the layer only moves data), and so
      are dk and dv, except that a kv head whose GQA group is split across ranks gets the ranks'
@@ -71,68 +75,87 @@ TEST(reference_attention_matches_cpu_bf16_f16) {
     check_attention(c, ULY_F16, 2e-3);
 }
 
-/* Sq > Sk with a causal mask: the first Sq - Sk rows keep no key. */
-TEST(reference_attention_rows_without_keys_give_zero_and_inf) {
-    const int64_t B = 1, Sq = 6, Sk = 3, H = 2, D = 4;
-    float q[B * Sq * H * D], kv[B * Sk * H * D], o[B * Sq * H * D], lse[B * H * Sq];
-    ref_fill(q, B * Sq * H * D, 5);
-    ref_fill(kv, B * Sk * H * D, 6);
-    void *dq = to_dev(q, B * Sq * H * D, ULY_F32), *dkv = to_dev(kv, B * Sk * H * D, ULY_F32);
-    void *dO = to_dev(NULL, B * Sq * H * D, ULY_F32), *dl = to_dev(NULL, B * H * Sq, ULY_F32);
-    uly_attn attn = uly_cuda_reference_attention();
+/* ---------------------------------------------------------------------------------------------
+   The reference attention where gpu_attention's Sq = Sk cannot reach: Sq != Sk and a group
+   split at q_head0, against fp64 and uly_cpu_attention */
+
+/* uly_cuda_reference_attention, forward and backward, in fp32 on case c's inputs. */
+static run_out run_reference_f32(const fcase &c, const inputs &in) {
+    const uly_dtype t = ULY_F32;
+    const int64_t nq = c.B * c.Sq * c.H * c.D, nk = c.B * c.Sk * c.Hkv * c.D;
+    void *q = to_dev(in.q.data(), nq, t), *k = to_dev(in.k.data(), nk, t);
+    void *v = to_dev(in.v.data(), nk, t), *dout = to_dev(in.dout.data(), nq, t);
+    void *o = to_dev(NULL, nq, t), *dq = to_dev(NULL, nq, t);
+    void *dk = to_dev(NULL, nk, t), *dv = to_dev(NULL, nk, t);
     uly_attn_args a;
     memset(&a, 0, sizeof a);
-    a.q = uly_dense(dq, ULY_F32, B, Sq, H, D);
-    a.k = a.v = uly_dense(dkv, ULY_F32, B, Sk, H, D);
-    a.o = uly_dense(dO, ULY_F32, B, Sq, H, D);
-    a.lse = (float *)dl;
-    a.causal = 1;
-    uly_status st = attn.fwd(attn.ctx, &a);
-    CHECK(!st.code, "%s", st.msg);
-    from_dev(o, dO, B * Sq * H * D, ULY_F32);
-    from_dev(lse, dl, B * H * Sq, ULY_F32);
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t i = 0; i < Sq; i++) {
-            int empty = i < Sq - Sk;
-            float l = lse[h * Sq + i], o0 = o[(i * H + h) * D];
-            CHECK(empty ? isinf(l) && l > 0 && o0 == 0 : isfinite(l) && isfinite(o0),
-                  "head %lld row %lld: lse %g, o[0] %g", (long long)h, (long long)i, l, o0);
+    a.q = uly_dense(q, t, c.B, c.Sq, c.H, c.D), a.o = uly_dense(o, t, c.B, c.Sq, c.H, c.D);
+    a.dout = uly_dense(dout, t, c.B, c.Sq, c.H, c.D), a.dq = uly_dense(dq, t, c.B, c.Sq, c.H, c.D);
+    a.k = uly_dense(k, t, c.B, c.Sk, c.Hkv, c.D), a.v = uly_dense(v, t, c.B, c.Sk, c.Hkv, c.D);
+    a.dk = uly_dense(dk, t, c.B, c.Sk, c.Hkv, c.D), a.dv = uly_dense(dv, t, c.B, c.Sk, c.Hkv, c.D);
+    run_out r;
+    r.ok = run_kernels(c, dense_cu(c.B, c.Sq), dense_cu(c.B, c.Sk), false,
+                       uly_cuda_reference_attention(), a, &r.lse);
+    const auto back = [&](void *d, int64_t n) {
+        fvec x((size_t)n);
+        from_dev(x.data(), d, n, t);
+        return x;
+    };
+    r.o = back(o, nq), r.dq = back(dq, nq), r.dk = back(dk, nk), r.dv = back(dv, nk);
+    void *all[] = {q, k, v, dout, o, dq, dk, dv};
+    for (void *x : all) cudaFree(x);
+    return r;
+}
+
+/* The reference attention in fp32 on case c: every value of out, lse, dq, dk and dv within 2e-6
+   of flash_case.h's fp64 reference and of uly_cpu_attention, and +inf only where they have it.
+   Absolute: the values stay below 3, where 2e-6 is 8 fp32 ulps (the largest error seen is
+   2.6e-7); a term missed or added in any sum is far more. Rows that keep no key exactly as the
+   contract says. */
+static void check_reference(const fcase &c) {
+    char what[128];
+    snprintf(what, sizeof what, "f32 B=%lld Sq=%lld Sk=%lld H=%lld Hkv=%lld D=%lld%s scale=%g "
+             "q_head0=%lld", (long long)c.B, (long long)c.Sq, (long long)c.Sk, (long long)c.H,
+             (long long)c.Hkv, (long long)c.D, c.causal ? " causal" : "", (double)c.scale,
+             (long long)c.q_head0);
+    const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+    const run_out got = run_reference_f32(c, in);
+    if (!got.ok) return;
+    const outputs r64 = reference(c, dense_cu(c.B, c.Sq), dense_cu(c.B, c.Sk), false, in, false);
+    const outputs cpu = run_cpu(c, in);
+    const auto compare = [&](const outputs &want, const char *name) {
+        const fvec *g[5] = {&got.o, &got.lse, &got.dq, &got.dk, &got.dv};
+        const dvec *w[5] = {&want.o, &want.lse, &want.dq, &want.dk, &want.dv};
+        for (int i = 0; i < 5; i++) {
+            const double e = max_err(*g[i], *w[i]);
+            CHECK(e <= 2e-6, "%s: %s differs from %s by %g", what, output_names[i], name, e);
         }
-    cudaFree(dq), cudaFree(dkv), cudaFree(dO), cudaFree(dl);
+    };
+    compare(r64, "fp64");
+    compare(cpu, "uly_cpu_attention");
+    /* causal with Sq > Sk: the first Sq - Sk rows of each sequence keep no key */
+    const int bad = masked_rows_wrong(c, got, row_range(0, c.causal ? c.Sq - c.Sk : 0));
+    CHECK(bad == 0, "%s: %d values of rows without keys are not out = dq = 0, lse = +inf", what,
+          bad);
+}
+
+/* Sq < Sk and Sq > Sk (the first Sq - Sk rows of a causal one keep no key), causal or not; GQA
+   (groups of 2) and B = 2 throughout; one decode step; an explicit scale. */
+TEST(reference_attention_with_sq_ne_sk_matches_fp64_and_cpu) {
+    const matrix_shape cases[] = { /* {B, Sq, Sk, H, Hkv, causal}, scale */
+        {{2, 5, 12, 4, 2, 1}, 0},    {{2, 5, 12, 4, 2, 0}, 0}, {{2, 12, 5, 4, 2, 1}, 0},
+        {{2, 12, 5, 4, 2, 0}, 0.3f}, {{2, 1, 9, 4, 2, 1}, 0}};
+    for (const auto &k : cases) check_reference(make_case(k.s, 8, ULY_F32, k.scale));
 }
 
 /* Local query heads 0..2 are global heads 1..3 of groups of 2: they read local kv heads 0, 1, 1
-   (global kv heads 0, 1, 1), as a rank whose first head splits a group does. */
+   (global kv heads 0, 1, 1), as a rank whose first head splits a group does; so dk and dv of
+   local kv head 0 come from one query head, of kv head 1 from two. */
 TEST(reference_attention_maps_a_group_split_at_q_head0) {
-    const int64_t S = 5, D = 4;
-    float q[S * 3 * D], kv[S * 2 * D], o[S * 3 * D], want[S * 3 * D];
-    ref_fill(q, S * 3 * D, 8);
-    ref_fill(kv, S * 2 * D, 9);
-    void *dq = to_dev(q, S * 3 * D, ULY_F32), *dkv = to_dev(kv, S * 2 * D, ULY_F32);
-    void *dO = to_dev(NULL, S * 3 * D, ULY_F32), *dl = to_dev(NULL, 3 * S, ULY_F32);
-    uly_attn gpu = uly_cuda_reference_attention(), cpu = uly_cpu_attention();
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = uly_dense(dq, ULY_F32, 1, S, 3, D);
-    a.k = a.v = uly_dense(dkv, ULY_F32, 1, S, 2, D);
-    a.o = uly_dense(dO, ULY_F32, 1, S, 3, D);
-    a.lse = (float *)dl;
-    a.q_head0 = 1, a.kv_group = 2;
-    uly_status st = gpu.fwd(gpu.ctx, &a);
-    float lse[3 * S];
-    a.q = uly_dense(q, ULY_F32, 1, S, 3, D);
-    a.k = a.v = uly_dense(kv, ULY_F32, 1, S, 2, D);
-    a.o = uly_dense(want, ULY_F32, 1, S, 3, D);
-    a.lse = lse;
-    a.workspace = malloc((size_t)cpu.workspace(cpu.ctx, &a));
-    uly_status cs = cpu.fwd(cpu.ctx, &a);
-    free(a.workspace);
-    CHECK(!st.code && !cs.code, "gpu '%s', cpu '%s'", st.msg, cs.msg);
-    from_dev(o, dO, S * 3 * D, ULY_F32);
-    CHECK(maxdiff(o, want, S * 3 * D) <= 2e-6, "out differs by %g", maxdiff(o, want, S * 3 * D));
-    cudaFree(dq), cudaFree(dkv), cudaFree(dO), cudaFree(dl);
+    fcase c = make_case({2, 7, 5, 3, 2, 1}, 4, ULY_F32);
+    c.q_head0 = 1, c.kv_group = 2;
+    check_reference(c);
 }
-
 
 /* P, B, S, H, Hkv, D, causal, fused, scale */
 static const sp_case layer_cases[] = {
