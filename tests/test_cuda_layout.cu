@@ -1,23 +1,37 @@
-/* test_cuda_layout.cu - the layout kernels of ulysses_cuda.cuh against uly_cpu_layout.
+/* test_cuda_layout.cu - the layout kernels of ulysses_cuda.cuh, and uly_cpu_layout, against the
+   layout formulas of ulysses.h.
+
+   The expected bytes are the formulas of ulysses.h (LAYOUTS, and the Layout section) worked
+   out here one element at a time (formula_move): peer j's block of the exchange buffer dense,
+   blocks in peer order where the plan's exchange counts put them, each element at the address
+   formed here from the tensor's strides; the DKV unpack adds the copies of a kv head several
+   peers hold in fp32, in peer order, and rounds once. Of the library it uses only the plan's
+   ranges (uly_tokens, uly_heads, uly_kv_heads, which test_plan checks against formulas of its
+   own) and counts, and the tensor views are built here by hand (not by uly_dense or
+   uly_qkv_views), so a stride that both implementations misread the same way fails here
+   instead of agreeing with itself.
 
    Every pack and unpack of every exchange, on every rank of a sweep of plans (uneven S and H,
    GQA with Hkv < P so kv heads are replicated, B > 1, rows whose bytes are not a multiple of
-   16), in each dtype, is bit-identical to the CPU reference over the whole destination buffer,
-   so nothing outside the box moves either. Tensors come in five forms: dense, the q or v view
-   into a fused QKV buffer, its k view (KV and DKV only), heads-outer strides (rows that cannot
-   be merged), and dense shifted by one element. That includes the DKV unpack's sums of the
-   gradient copies of a shared kv head in bf16 and f16: both sides add in fp32 in peer order and
-   round once. Under the emulator, which records what a call asks of the device: pack and unpack
-   queue their work on the caller's stream only and allocate nothing, and they launch the
-   kernel of 16-byte accesses where rows and buffers are 16-byte aligned, of 8 or 4 bytes where
-   those are the widest they allow, of single elements otherwise. Then the bad inputs, each a named error.
-   Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu). */
+   16), in each dtype: the CUDA kernels and uly_cpu_layout each equal the formulas bit for bit
+   over the whole destination buffer, so nothing outside the box moves either. Tensors come in
+   five forms: dense, the q or v view into a fused QKV buffer, its k view (KV and DKV only; the
+   fused forms are the views uly_qkv_views gives), heads-outer strides (rows that cannot be
+   merged), and dense shifted by one element. That includes the DKV unpack's sums of the
+   gradient copies of a shared kv head in bf16 and f16. Under the emulator, which records what a
+   call asks of the device: pack and unpack queue their work on the caller's stream only and
+   allocate nothing, and they launch the kernel of 16-byte accesses where rows and buffers are
+   16-byte aligned, of 8 or 4 bytes where those are the widest they allow, of single elements
+   otherwise; and offsets past int32 (again against the formulas). Then the bad inputs, each a
+   named error. Builds under the CUDA emulator (make test) and with nvcc for a GPU
+   (make test-gpu). */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
 #include "check.h"
 #include "ref64.h"
 
+#include <vector>
 #ifdef ULY_EMU
 #include <sys/mman.h>
 #endif
@@ -50,77 +64,157 @@ static const char *const form_names[] = {"dense", "fused", "fused-k", "heads-out
 static const char *const xnames[] = {"Q", "KV", "O", "DKV"};
 
 /* ---------------------------------------------------------------------------------------------
-   Buffers: one host and one device copy of the same bytes */
+   The formulas: every exchange, one element at a time */
+
+/* An element of dtype t as fp32, and back rounded to nearest (the CUDA conversions). */
+static float load(uly_dtype t, const char *x) {
+    float f;
+    __nv_bfloat16 b;
+    __half h;
+    if (t == ULY_F32) return memcpy(&f, x, 4), f;
+    if (t == ULY_BF16) return memcpy(&b, x, 2), __bfloat162float(b);
+    return memcpy(&h, x, 2), __half2float(h);
+}
+
+static void store(uly_dtype t, char *x, float f) {
+    if (t == ULY_F32) {
+        memcpy(x, &f, 4);
+    } else if (t == ULY_BF16) {
+        const __nv_bfloat16 b = __float2bfloat16_rn(f);
+        memcpy(x, &b, 2);
+    } else {
+        const __half h = __float2half_rn(f);
+        memcpy(x, &h, 2);
+    }
+}
+
+/* Element (b, s, h, e) of t, from its strides alone. */
+static char *elem(const uly_tensor &t, int64_t b, int64_t s, int64_t h, int64_t e) {
+    return (char *)t.data + (b * t.sb + s * t.ss + h * t.sh + e) * uly_dtype_size(t.dtype);
+}
+
+/* The heads exchange x moves for an SP rank: its query heads, or for KV and DKV its kv heads. */
+static uly_range xheads(const uly_plan *p, uly_xchg x, int rank) {
+    return x == ULY_X_KV || x == ULY_X_DKV ? uly_kv_heads(p, rank) : uly_heads(p, rank);
+}
+
+/* Exchange x between tensor t and buffer xb on p's rank r. Peer j's block of xb is dense
+   [B, n_s, n_h, D], blocks in peer order. Where t is in sequence layout (pack Q/KV, unpack O/DKV)
+   the block is r's tokens of j's heads: its (b, s, h, e) is t's (b, s, h0_j + h, e); in head
+   layout it is j's tokens of r's heads: t's (b, s0_j + s, h, e). Pack copies blocks out of t,
+   unpack into t, where an element that several blocks hold (a kv head several peers hold, in
+   DKV) is their sum in fp32 in peer order, rounded once. The blocks must also be where the
+   plan's exchange counts put them, or the all-to-all moves other bytes. */
+static void formula_move(const uly_plan *p, uly_xchg x, int unpack, uly_tensor t, char *xb) {
+    const int P = p->desc.sp_size, r = p->sp_rank;
+    const int seq = (x == ULY_X_Q || x == ULY_X_KV) != unpack;
+    const int64_t B = p->desc.batch, D = p->desc.head_dim, es = uly_dtype_size(t.dtype);
+    int64_t counts[2][ULY_MAX_SP], offs[2][ULY_MAX_SP]; /* send, recv */
+    const uly_status st = uly_exchange_counts(p, x, counts[0], offs[0], counts[1], offs[1]);
+    CHECK(!st.code, "exchange counts: %s", st.msg);
+    std::vector<float> sum(unpack ? (size_t)(t.b * t.s * t.h * t.d) : 0);
+    std::vector<char> seen(sum.size());
+    char *at = xb;
+    for (int j = 0; j < P; j++) {
+        const uly_range tok = uly_tokens(p, seq ? r : j), hx = xheads(p, x, seq ? j : r);
+        const int64_t s0 = seq ? 0 : tok.start, h0 = seq ? hx.start : 0;
+        CHECK(at - xb == offs[unpack][j] && B * tok.count * hx.count * D * es == counts[unpack][j],
+              "%s %s, block %d: at byte %lld, %lld bytes; the plan says %lld, %lld",
+              unpack ? "unpack" : "pack", xnames[x], j, (long long)(at - xb),
+              (long long)(B * tok.count * hx.count * D * es), (long long)offs[unpack][j],
+              (long long)counts[unpack][j]);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t s = s0; s < s0 + tok.count; s++)
+                for (int64_t h = h0; h < h0 + hx.count; h++)
+                    for (int64_t e = 0; e < D; e++, at += es) {
+                        char *te = elem(t, b, s, h, e);
+                        const size_t i = (size_t)(((b * t.s + s) * t.h + h) * t.d + e);
+                        if (!unpack) {
+                            memcpy(at, te, (size_t)es);
+                        } else if (!seen[i]) {
+                            memcpy(te, at, (size_t)es);
+                            sum[i] = load(t.dtype, at), seen[i] = 1;
+                        } else {
+                            sum[i] += load(t.dtype, at);
+                            store(t.dtype, te, sum[i]);
+                        }
+                    }
+    }
+}
+
+static uly_status formula_pack(void *, const uly_plan *p, uly_xchg x, uly_tensor src, void *send,
+                               void *) {
+    formula_move(p, x, 0, src, (char *)send);
+    return uly_status{};
+}
+
+static uly_status formula_unpack(void *, const uly_plan *p, uly_xchg x, const void *recv,
+                                 uly_tensor dst, void *) {
+    formula_move(p, x, 1, dst, (char *)recv); /* only read */
+    return uly_status{};
+}
+
+/* The three implementations compared, each with its own copy of every buffer: the formulas (the
+   expected bytes), uly_cpu_layout (host memory) and the kernels (device memory). */
+enum impl { WANT, CPU, GPU, NIMPL };
+
+static uly_layout layout_of(int i) {
+    if (i == CPU) return uly_cpu_layout();
+    if (i == GPU) return uly_cuda_layout();
+    uly_layout l;
+    l.pack = formula_pack, l.unpack = formula_unpack, l.ctx = NULL, l.device = 0;
+    return l;
+}
+
+/* Pack t into xb, or unpack xb into t, with layout l on stream s. */
+static uly_status layout_move(uly_layout l, const uly_plan *p, uly_xchg x, int unpack,
+                              uly_tensor t, char *xb, cudaStream_t s) {
+    return unpack ? l.unpack(l.ctx, p, x, xb, t, s) : l.pack(l.ctx, p, x, t, xb, s);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Buffers: a copy of the same bytes for each implementation */
 
 typedef struct buf {
-    char *host, *dev;
+    char *at[NIMPL];
     int64_t bytes;
 } buf;
 
 static buf buf_new(int64_t bytes) {
     buf b;
     b.bytes = bytes;
-    b.host = (char *)malloc((size_t)bytes);
-    CHECK(cudaMalloc((void **)&b.dev, (size_t)bytes) == cudaSuccess, "cudaMalloc %lld",
+    b.at[WANT] = (char *)malloc((size_t)bytes);
+    b.at[CPU] = (char *)malloc((size_t)bytes);
+    CHECK(cudaMalloc((void **)&b.at[GPU], (size_t)bytes) == cudaSuccess, "cudaMalloc %lld",
           (long long)bytes);
     return b;
 }
 
 static void buf_free(buf *b) {
-    free(b->host);
-    cudaFree(b->dev);
+    free(b->at[WANT]);
+    free(b->at[CPU]);
+    cudaFree(b->at[GPU]);
 }
 
-/* Random finite values of dtype t, the same in both copies. */
+/* Random finite values of dtype t, the same in every copy. */
 static void buf_fill(buf *b, uly_dtype t, uint64_t seed) {
     ref_rng r = ref_seed(seed);
     int64_t es = uly_dtype_size(t);
-    for (int64_t i = 0; i + es <= b->bytes; i += es) {
-        float x = ref_uniform(&r);
-        if (t == ULY_F32) memcpy(b->host + i, &x, 4);
-        else if (t == ULY_BF16) {
-            __nv_bfloat16 y = __float2bfloat16_rn(x);
-            memcpy(b->host + i, &y, 2);
-        } else {
-            __half y = __float2half_rn(x);
-            memcpy(b->host + i, &y, 2);
-        }
-    }
-    cudaMemcpy(b->dev, b->host, (size_t)b->bytes, cudaMemcpyHostToDevice);
+    for (int64_t i = 0; i + es <= b->bytes; i += es) store(t, b->at[WANT] + i, ref_uniform(&r));
+    memcpy(b->at[CPU], b->at[WANT], (size_t)b->bytes);
+    cudaMemcpy(b->at[GPU], b->at[WANT], (size_t)b->bytes, cudaMemcpyHostToDevice);
 }
 
-/* Bytes where the device copy differs from the host copy. */
-static int64_t buf_diff(const buf *b) {
-    char *got = (char *)malloc((size_t)b->bytes);
+/* Bytes where implementation i's copy differs from the expected one. */
+static int64_t buf_diff(const buf *b, int i) {
+    std::vector<char> dev(i == GPU ? (size_t)b->bytes : 0);
+    if (i == GPU)
+        CHECK(cudaMemcpy(dev.data(), b->at[GPU], dev.size(), cudaMemcpyDeviceToHost) ==
+                  cudaSuccess, "cudaMemcpy back");
+    const char *got = i == GPU ? dev.data() : b->at[i];
     int64_t n = 0;
-    CHECK(cudaMemcpy(got, b->dev, (size_t)b->bytes, cudaMemcpyDeviceToHost) == cudaSuccess,
-          "cudaMemcpy back");
-    for (int64_t i = 0; i < b->bytes; i++) n += got[i] != b->host[i];
-    free(got);
+    for (int64_t k = 0; k < b->bytes; k++) n += got[k] != b->at[WANT][k];
     return n;
-}
-
-/* A [B, s, h, D] tensor of the given form in b (host or device copy); nq and nkv are the
-   head counts of the fused buffer it is a view into, whose q heads (Q, O) or k or v heads (KV,
-   DKV) it is. */
-static uly_tensor tensor_in(char *base, form f, uly_dtype t, int64_t B, int64_t s, int64_t h,
-                            int64_t D, int kv, int64_t nq, int64_t nkv) {
-    uly_tensor x = uly_dense(base + (f == SHIFTED ? uly_dtype_size(t) : 0), t, B, s, h, D);
-    if (f == FUSED || f == FUSED_K) {
-        uly_tensor q, k, v;
-        uly_qkv_views(base, t, B, s, nq, nkv, D, &q, &k, &v);
-        x = !kv ? q : f == FUSED_K ? k : v;
-    } else if (f == HEADS_OUTER) {
-        x.ss = D, x.sh = s * D, x.sb = h * s * D;
-    }
-    return x;
-}
-
-/* Bytes of the buffer behind tensor_in. */
-static int64_t tensor_bytes(form f, uly_dtype t, int64_t B, int64_t s, int64_t h, int64_t D,
-                            int64_t nq, int64_t nkv) {
-    int64_t heads = f == FUSED || f == FUSED_K ? nq + 2 * nkv : h + (f == SHIFTED);
-    return B * s * heads * D * uly_dtype_size(t);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -144,6 +238,28 @@ static side side_of(const uly_plan *p, const lcase *c, int rank, uly_xchg x, int
     return t;
 }
 
+/* The [B, sd.s, sd.h, D] tensor of form f in base (any copy). Its strides are set here, not by
+   the library's view helpers, so that the formulas address it on their own. A fused form is a
+   view into [B, sd.s, nq + 2 * nkv, D]: its q heads (Q, O), or its v or k heads (KV, DKV). */
+static uly_tensor tensor_in(char *base, form f, uly_dtype t, const lcase *c, const side &sd) {
+    const int fused = f == FUSED || f == FUSED_K;
+    const int64_t row = fused ? sd.nq + 2 * sd.nkv : sd.h; /* heads in a token's row */
+    const int64_t h0 = !fused || !sd.kv ? 0 : f == FUSED_K ? sd.nq : sd.nq + sd.nkv;
+    uly_tensor x;
+    x.data = base + (h0 * c->D + (f == SHIFTED)) * uly_dtype_size(t);
+    x.b = c->B, x.s = sd.s, x.h = sd.h, x.d = c->D;
+    x.sh = c->D, x.ss = row * c->D, x.sb = sd.s * x.ss;
+    if (f == HEADS_OUTER) x.ss = c->D, x.sh = sd.s * c->D, x.sb = sd.h * x.sh;
+    x.dtype = t;
+    return x;
+}
+
+/* Bytes of the buffer behind tensor_in. */
+static int64_t tensor_bytes(form f, uly_dtype t, const lcase *c, const side &sd) {
+    int64_t heads = f == FUSED || f == FUSED_K ? sd.nq + 2 * sd.nkv : sd.h + (f == SHIFTED);
+    return c->B * sd.s * heads * c->D * uly_dtype_size(t);
+}
+
 static uly_status plan_of(const lcase *c, int rank, uly_dtype t, uly_plan *p) {
     uly_plan_desc d;
     memset(&d, 0, sizeof d);
@@ -155,35 +271,29 @@ static uly_status plan_of(const lcase *c, int rank, uly_dtype t, uly_plan *p) {
 
 static void check_one(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unpack, form f) {
     uly_plan p;
-    uly_status st = plan_of(c, rank, t, &p);
-    CHECK(!st.code, "plan: %s", st.msg);
-    if (st.code) return;
+    const uly_status ps = plan_of(c, rank, t, &p);
+    CHECK(!ps.code, "plan: %s", ps.msg);
+    if (ps.code) return;
 
     const side sd = side_of(&p, c, rank, x, unpack);
-    buf tb = buf_new(tensor_bytes(f, t, c->B, sd.s, sd.h, c->D, sd.nq, sd.nkv));
+    buf tb = buf_new(tensor_bytes(f, t, c, sd));
     buf xb = buf_new(unpack ? uly_recv_bytes(&p, x) : uly_send_bytes(&p, x));
     buf_fill(&tb, t, 7);
     buf_fill(&xb, t, 11);
-    uly_tensor th = tensor_in(tb.host, f, t, c->B, sd.s, sd.h, c->D, sd.kv, sd.nq, sd.nkv);
-    uly_tensor tg = tensor_in(tb.dev, f, t, c->B, sd.s, sd.h, c->D, sd.kv, sd.nq, sd.nkv);
-
-    uly_layout cpu = uly_cpu_layout(), gpu = uly_cuda_layout();
-    uly_status want, got;
-    if (unpack) {
-        got = gpu.unpack(gpu.ctx, &p, x, xb.dev, tg, NULL);
-        want = cpu.unpack(cpu.ctx, &p, x, xb.host, th, NULL);
-    } else {
-        got = gpu.pack(gpu.ctx, &p, x, tg, xb.dev, NULL);
-        want = cpu.pack(cpu.ctx, &p, x, th, xb.host, NULL);
+    uly_status st[NIMPL];
+    for (int i = 0; i < NIMPL; i++) {
+        const uly_tensor ti = tensor_in(tb.at[i], f, t, c, sd);
+        st[i] = layout_move(layout_of(i), &p, x, unpack, ti, xb.at[i], 0);
     }
-    cudaError_t e = cudaDeviceSynchronize();
-    int64_t diff = buf_diff(unpack ? &tb : &xb);
-    CHECK(!want.code && !got.code && !e && !diff,
+    const cudaError_t e = cudaDeviceSynchronize();
+    const buf *out = unpack ? &tb : &xb;
+    const int64_t cpu = buf_diff(out, CPU), gpu = buf_diff(out, GPU);
+    CHECK(!st[CPU].code && !st[GPU].code && !e && !cpu && !gpu,
           "%s %s, %s %s, P=%d rank %d B=%lld S=%lld H=%lld Hkv=%lld D=%lld: cpu '%s', gpu '%s', "
-          "cuda '%s', %lld bytes differ", unpack ? "unpack" : "pack", xnames[x], dtype_name(t),
-          form_names[f], c->P, rank, (long long)c->B, (long long)c->S, (long long)c->H,
-          (long long)c->Hkv, (long long)c->D, want.msg, got.msg, cudaGetErrorString(e),
-          (long long)diff);
+          "cuda '%s'; %lld bytes of cpu, %lld of gpu differ from the formulas",
+          unpack ? "unpack" : "pack", xnames[x], dtype_name(t), form_names[f], c->P, rank,
+          (long long)c->B, (long long)c->S, (long long)c->H, (long long)c->Hkv, (long long)c->D,
+          st[CPU].msg, st[GPU].msg, cudaGetErrorString(e), (long long)cpu, (long long)gpu);
     buf_free(&tb);
     buf_free(&xb);
 }
@@ -202,16 +312,39 @@ static void check_sweep(int unpack, form f) {
                         check_one(&cases[i], r, dtypes[t], (uly_xchg)x, unpack, f);
 }
 
-TEST(pack_dense_matches_cpu) { check_sweep(0, DENSE); }
-TEST(pack_fused_qkv_views_match_cpu) { check_sweep(0, FUSED); }
-TEST(pack_fused_k_view_matches_cpu) { check_sweep(0, FUSED_K); }
-TEST(pack_heads_outer_matches_cpu) { check_sweep(0, HEADS_OUTER); }
-TEST(pack_shifted_views_match_cpu) { check_sweep(0, SHIFTED); }
-TEST(unpack_dense_matches_cpu) { check_sweep(1, DENSE); }
-TEST(unpack_into_fused_views_matches_cpu) { check_sweep(1, FUSED); }
-TEST(unpack_into_fused_k_view_matches_cpu) { check_sweep(1, FUSED_K); }
-TEST(unpack_heads_outer_matches_cpu) { check_sweep(1, HEADS_OUTER); }
-TEST(unpack_into_shifted_views_matches_cpu) { check_sweep(1, SHIFTED); }
+TEST(pack_dense_follows_the_formulas) { check_sweep(0, DENSE); }
+TEST(pack_fused_qkv_views_follow_the_formulas) { check_sweep(0, FUSED); }
+TEST(pack_fused_k_view_follows_the_formulas) { check_sweep(0, FUSED_K); }
+TEST(pack_heads_outer_follows_the_formulas) { check_sweep(0, HEADS_OUTER); }
+TEST(pack_shifted_views_follow_the_formulas) { check_sweep(0, SHIFTED); }
+TEST(unpack_dense_follows_the_formulas) { check_sweep(1, DENSE); }
+TEST(unpack_into_fused_views_follows_the_formulas) { check_sweep(1, FUSED); }
+TEST(unpack_into_fused_k_view_follows_the_formulas) { check_sweep(1, FUSED_K); }
+TEST(unpack_heads_outer_follows_the_formulas) { check_sweep(1, HEADS_OUTER); }
+TEST(unpack_into_shifted_views_follows_the_formulas) { check_sweep(1, SHIFTED); }
+
+static int same_view(const uly_tensor &a, const uly_tensor &b) {
+    return a.data == b.data && a.b == b.b && a.s == b.s && a.h == b.h && a.d == b.d &&
+           a.sb == b.sb && a.ss == b.ss && a.sh == b.sh && a.dtype == b.dtype;
+}
+
+/* The fused forms tested are what a trainer gets: uly_qkv_views of the same buffer. */
+TEST(fused_forms_are_uly_qkv_views) {
+    const lcase c = {1, 2, 5, 6, 2, 16};
+    const side q = {0, c.S, c.H, c.H, c.Hkv}, kv = {1, c.S, c.Hkv, c.H, c.Hkv};
+    std::vector<char> base((size_t)tensor_bytes(FUSED, ULY_BF16, &c, q));
+    uly_tensor got[3];
+    uly_qkv_views(base.data(), ULY_BF16, c.B, c.S, c.H, c.Hkv, c.D, &got[0], &got[1], &got[2]);
+    const uly_tensor want[3] = {tensor_in(base.data(), FUSED, ULY_BF16, &c, q),
+                                tensor_in(base.data(), FUSED_K, ULY_BF16, &c, kv),
+                                tensor_in(base.data(), FUSED, ULY_BF16, &c, kv)};
+    for (int i = 0; i < 3; i++)
+        CHECK(same_view(got[i], want[i]), "the %c view: at +%lld, strides %lld %lld %lld; want "
+              "+%lld, %lld %lld %lld", "qkv"[i], (long long)((char *)got[i].data - base.data()),
+              (long long)got[i].sb, (long long)got[i].ss, (long long)got[i].sh,
+              (long long)((char *)want[i].data - base.data()), (long long)want[i].sb,
+              (long long)want[i].ss, (long long)want[i].sh);
+}
 
 #ifdef ULY_EMU
 /* ---------------------------------------------------------------------------------------------
@@ -226,13 +359,11 @@ static std::vector<uly_emu_op> record_one(const lcase *c, int rank, uly_dtype t,
     uly_status st = plan_of(c, rank, t, &p);
     CHECK(!st.code, "plan: %s", st.msg);
     const side sd = side_of(&p, c, rank, x, unpack);
-    buf tb = buf_new(tensor_bytes(f, t, c->B, sd.s, sd.h, c->D, sd.nq, sd.nkv));
+    buf tb = buf_new(tensor_bytes(f, t, c, sd));
     buf xb = buf_new(unpack ? uly_recv_bytes(&p, x) : uly_send_bytes(&p, x));
-    const uly_tensor tg = tensor_in(tb.dev, f, t, c->B, sd.s, sd.h, c->D, sd.kv, sd.nq, sd.nkv);
-    const uly_layout gpu = uly_cuda_layout();
+    const uly_tensor tg = tensor_in(tb.at[GPU], f, t, c, sd);
     uly_emu_record_reset();
-    st = unpack ? gpu.unpack(gpu.ctx, &p, x, xb.dev, tg, s)
-                : gpu.pack(gpu.ctx, &p, x, tg, xb.dev, s);
+    st = layout_move(uly_cuda_layout(), &p, x, unpack, tg, xb.at[GPU], s);
     const std::vector<uly_emu_op> ops = uly_emu_recorded_ops();
     *allocs = uly_emu_recorded_allocs();
     CHECK(!st.code && !cudaStreamSynchronize(s), "%s %s: '%s'", unpack ? "unpack" : "pack",
@@ -368,7 +499,8 @@ TEST(summing_unpack_launches_only_the_boxes_that_write) {
    memory, so the tensor side of every exchange can lie in a sparse mapping with token rows 2^25
    elements apart: rank 1's 70 tokens (all 140 on the head side) span past 2^31 elements and
    batch 1 starts there. Heads adjacent (one merged row per token) or 2^12 apart. Pack reads the
-   mapping and unpack writes it, bit for bit as uly_cpu_layout does. */
+   mapping and unpack writes it, and uly_cpu_layout and the kernels each follow the formulas bit for
+   bit. */
 static char *far_map(size_t bytes) {
     void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                    -1, 0);
@@ -387,52 +519,50 @@ template <typename F> static void far_rows(const uly_tensor &t, F f) {
 TEST(offsets_past_int32) {
     const lcase c = {2, 2, 140, 4, 2, 8};
     uly_plan p;
-    uly_plan_desc d;
-    memset(&d, 0, sizeof d);
-    d.world_size = 2, d.rank = 1, d.sp_size = 2, d.batch = c.B, d.seq_len = c.S;
-    d.n_heads = c.H, d.n_kv_heads = c.Hkv, d.head_dim = c.D, d.dtype = ULY_BF16;
-    uly_status st = uly_plan_init(&p, &d);
-    CHECK(!st.code, "plan: %s", st.msg);
-    if (st.code) return;
-    const uly_layout cpu = uly_cpu_layout(), gpu = uly_cuda_layout();
+    const uly_status ps = plan_of(&c, 1, ULY_BF16, &p);
+    CHECK(!ps.code, "plan: %s", ps.msg);
+    if (ps.code) return;
     for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
         for (int unpack = 0; unpack < 2; unpack++)
             for (int64_t sh : {c.D, (int64_t)1 << 12}) {
                 const side sd = side_of(&p, &c, 1, (uly_xchg)x, unpack);
-                uly_tensor tg = uly_dense(NULL, ULY_BF16, c.B, sd.s, sd.h, c.D), th;
-                tg.sh = sh, tg.ss = (int64_t)1 << 25, tg.sb = sd.s * tg.ss;
-                const size_t bytes = (size_t)(c.B * tg.sb) * 2;
-                char *gm = far_map(bytes), *cm = unpack ? far_map(bytes) : gm;
-                if (!gm || !cm) return;
-                tg.data = gm, th = tg, th.data = cm;
+                uly_tensor t = tensor_in(NULL, DENSE, ULY_BF16, &c, sd);
+                t.sh = sh, t.ss = (int64_t)1 << 25, t.sb = sd.s * t.ss;
+                const size_t bytes = (size_t)(c.B * t.sb) * 2;
+                const int maps = unpack ? NIMPL : 1; /* pack only reads the tensor: one for all */
+                char *m[NIMPL];
+                for (int i = 0; i < NIMPL; i++) m[i] = i < maps ? far_map(bytes) : m[0];
+                if (!m[WANT] || !m[CPU] || !m[GPU]) return;
                 buf xb = buf_new(unpack ? uly_recv_bytes(&p, (uly_xchg)x)
                                         : uly_send_bytes(&p, (uly_xchg)x));
                 buf_fill(&xb, ULY_BF16, 11);
                 ref_rng rng = ref_seed(5);
                 if (!unpack)
-                    far_rows(tg, [&](int64_t o, int64_t row) {
-                        for (int64_t e = 0; e < row; e += 2) {
-                            const __nv_bfloat16 v = __float2bfloat16_rn(ref_uniform(&rng));
-                            memcpy(gm + o + e, &v, 2);
-                        }
+                    far_rows(t, [&](int64_t o, int64_t row) {
+                        for (int64_t e = 0; e < row; e += 2)
+                            store(ULY_BF16, m[0] + o + e, ref_uniform(&rng));
                     });
-                const uly_status want = unpack ? cpu.unpack(cpu.ctx, &p, (uly_xchg)x, xb.host, th, NULL)
-                                               : cpu.pack(cpu.ctx, &p, (uly_xchg)x, th, xb.host, NULL);
-                const uly_status got = unpack ? gpu.unpack(gpu.ctx, &p, (uly_xchg)x, xb.dev, tg, NULL)
-                                              : gpu.pack(gpu.ctx, &p, (uly_xchg)x, tg, xb.dev, NULL);
-                int64_t diff = 0;
-                if (unpack)
-                    far_rows(tg, [&](int64_t o, int64_t row) {
-                        diff += memcmp(gm + o, cm + o, (size_t)row) != 0;
-                    });
-                else
-                    diff = buf_diff(&xb);
-                CHECK(!want.code && !got.code && !diff, "%s %s, sh %lld: cpu '%s', gpu '%s', %lld %s differ",
-                      unpack ? "unpack" : "pack", xnames[x], (long long)sh, want.msg, got.msg,
-                      (long long)diff, unpack ? "rows" : "bytes");
+                uly_status st[NIMPL];
+                for (int i = 0; i < NIMPL; i++) {
+                    t.data = m[i];
+                    st[i] = layout_move(layout_of(i), &p, (uly_xchg)x, unpack, t, xb.at[i], 0);
+                }
+                const cudaError_t e = cudaDeviceSynchronize();
+                int64_t diff[NIMPL] = {0, 0, 0};
+                for (int i = CPU; i < NIMPL; i++) {
+                    if (!unpack) diff[i] = buf_diff(&xb, i);
+                    else
+                        far_rows(t, [&](int64_t o, int64_t row) {
+                            diff[i] += memcmp(m[i] + o, m[WANT] + o, (size_t)row) != 0;
+                        });
+                }
+                CHECK(!st[CPU].code && !st[GPU].code && !e && !diff[CPU] && !diff[GPU],
+                      "%s %s, sh %lld: cpu '%s', gpu '%s', cuda '%s'; %lld %s of cpu, %lld of "
+                      "gpu differ from the formulas", unpack ? "unpack" : "pack", xnames[x],
+                      (long long)sh, st[CPU].msg, st[GPU].msg, cudaGetErrorString(e),
+                      (long long)diff[CPU], unpack ? "rows" : "bytes", (long long)diff[GPU]);
                 buf_free(&xb);
-                munmap(gm, bytes);
-                if (unpack) munmap(cm, bytes);
+                for (int i = 0; i < maps; i++) munmap(m[i], bytes);
             }
 }
 #endif
@@ -515,7 +645,7 @@ static bad bad_new(void) {
     CHECK(!st.code, "plan: %s", st.msg);
     b.t = buf_new(4 * 4 * 8 * 2 + 2);
     b.x = buf_new(uly_send_bytes(&b.p, ULY_X_Q) + 2);
-    b.q = uly_dense(b.t.dev, ULY_BF16, 1, 4, 4, 8);
+    b.q = uly_dense(b.t.at[GPU], ULY_BF16, 1, 4, 4, 8);
     return b;
 }
 
@@ -533,9 +663,9 @@ TEST(rejects_null_tensor) {
     bad b = bad_new();
     uly_layout l = uly_cuda_layout();
     b.q.data = NULL;
-    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, b.q, b.x.dev, NULL), ULY_EINVAL,
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, b.q, b.x.at[GPU], NULL), ULY_EINVAL,
                   "pack Q: src: data is NULL");
-    check_rejects(l.unpack(l.ctx, &b.p, ULY_X_O, b.x.dev, b.q, NULL), ULY_EINVAL,
+    check_rejects(l.unpack(l.ctx, &b.p, ULY_X_O, b.x.at[GPU], b.q, NULL), ULY_EINVAL,
                   "unpack O: dst: data is NULL");
     bad_free(&b);
 }
@@ -552,10 +682,10 @@ TEST(rejects_pointers_off_the_element_size) {
     bad b = bad_new();
     uly_layout l = uly_cuda_layout();
     uly_tensor odd = b.q;
-    odd.data = b.t.dev + 1;
-    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, odd, b.x.dev, NULL), ULY_EINVAL,
+    odd.data = b.t.at[GPU] + 1;
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, odd, b.x.at[GPU], NULL), ULY_EINVAL,
                   "not aligned to its element size");
-    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, b.q, b.x.dev + 1, NULL), ULY_EINVAL,
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, b.q, b.x.at[GPU] + 1, NULL), ULY_EINVAL,
                   "not aligned to the element size");
     bad_free(&b);
 }
@@ -563,11 +693,11 @@ TEST(rejects_pointers_off_the_element_size) {
 TEST(rejects_a_tensor_the_plan_does_not_describe) {
     bad b = bad_new();
     uly_layout l = uly_cuda_layout();
-    uly_tensor wrong = uly_dense(b.t.dev, ULY_BF16, 1, 3, 4, 8); /* rank 1 owns 4 tokens */
-    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, wrong, b.x.dev, NULL), ULY_EINVAL,
+    uly_tensor wrong = uly_dense(b.t.at[GPU], ULY_BF16, 1, 3, 4, 8); /* rank 1 owns 4 tokens */
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, wrong, b.x.at[GPU], NULL), ULY_EINVAL,
                   "shape [1, 3, 4, 8], want [1, 4, 4, 8]");
-    wrong = uly_dense(b.t.dev, ULY_F16, 1, 4, 4, 8);
-    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, wrong, b.x.dev, NULL), ULY_EINVAL,
+    wrong = uly_dense(b.t.at[GPU], ULY_F16, 1, 4, 4, 8);
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, wrong, b.x.at[GPU], NULL), ULY_EINVAL,
                   "dtype f16, want bf16");
     bad_free(&b);
 }
@@ -577,8 +707,8 @@ TEST(rejects_an_uninitialized_plan_or_exchange) {
     uly_layout l = uly_cuda_layout();
     uly_plan zero;
     memset(&zero, 0, sizeof zero);
-    check_rejects(l.pack(l.ctx, &zero, ULY_X_Q, b.q, b.x.dev, NULL), ULY_EINVAL, "plan");
-    check_rejects(l.pack(l.ctx, &b.p, (uly_xchg)7, b.q, b.x.dev, NULL), ULY_EINVAL,
+    check_rejects(l.pack(l.ctx, &zero, ULY_X_Q, b.q, b.x.at[GPU], NULL), ULY_EINVAL, "plan");
+    check_rejects(l.pack(l.ctx, &b.p, (uly_xchg)7, b.q, b.x.at[GPU], NULL), ULY_EINVAL,
                   "x (7) is not a uly_xchg");
     bad_free(&b);
 }
