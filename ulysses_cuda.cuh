@@ -1082,7 +1082,8 @@ static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStr
 /* Host memory: through scratch, a chunk at a time, waiting for each. */
 static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, void *stream) {
     uly_nccl *n = (uly_nccl *)ctx;
-    cudaStream_t s = (cudaStream_t)stream;
+    /* No stream (uly_loss_reduce's): the per-thread default one, as for barrier. */
+    cudaStream_t s = stream ? (cudaStream_t)stream : cudaStreamPerThread;
     ULY__CHECK(count >= 0 && (buf || !count), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 "
                "and buf not NULL", ULY__LL(count));
     int device = 0;
@@ -1090,8 +1091,6 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
     if (!count || device) return uly__nccl_sum(n, buf, count, s);
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "allreduce_sum of host memory: uly_nccl.scratch is "
                "NULL (it needs %d doubles of device memory)", (int)ULY_NCCL_SCRATCH);
-    /* No stream (uly_loss_reduce's): the per-thread default one, as for barrier. */
-    if (!s) s = cudaStreamPerThread;
     for (int64_t at = 0; at < count; at += ULY_NCCL_SCRATCH) {
         const size_t bytes = (size_t)uly__min(ULY_NCCL_SCRATCH, count - at) * sizeof(double);
         ULY__TRY(uly__cuda(cudaMemcpyAsync(n->scratch, buf + at, bytes, cudaMemcpyHostToDevice,

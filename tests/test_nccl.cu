@@ -449,24 +449,37 @@ TEST(allreduce_of_host_memory_goes_through_scratch_in_chunks) {
     check_sum(SUM_MAX, 0, (SUM_MAX + ULY_NCCL_SCRATCH - 1) / ULY_NCCL_SCRATCH);
 }
 
-/* Host memory and no stream, as uly_loss_reduce calls it: every operation on the per-thread
-   default stream, none on the legacy one (which waits for every blocking stream, another
-   communicator's collectives among them). off[rank]: the first operation elsewhere, if any. */
+/* No stream, as uly_loss_reduce calls it (host memory), and device memory: every operation on
+   the per-thread default stream, none on the legacy one (which waits for every blocking stream,
+   another communicator's collectives among them). off[memory][rank]: the first operation
+   elsewhere, if any. */
 static void no_stream_main(const uly_comm *c, void *user) {
-    const char **off = (const char **)user;
-    double v[2] = {1, 2};
-    uly_emu_record_reset();
-    const uly_status st = c->allreduce_sum(c->ctx, v, 2, NULL);
-    CHECK(!st.code && v[0] == c->size && v[1] == 2 * c->size, "rank %d: '%s', sums %g %g",
-          c->rank, st.msg, v[0], v[1]);
-    off[c->rank] = recorded_calls(cudaStreamPerThread).off_stream;
+    const char *(*off)[2] = (const char *(*)[2])user;
+    double host[2] = {1, 2}, *dev = NULL;
+    CHECK(cudaMalloc(&dev, sizeof host) == cudaSuccess, "cudaMalloc");
+    cudaMemcpy(dev, host, sizeof host, cudaMemcpyHostToDevice);
+    for (int on_device = 0; on_device < 2; on_device++) {
+        uly_emu_record_reset();
+        double *v = on_device ? dev : host;
+        const uly_status st = c->allreduce_sum(c->ctx, v, 2, NULL);
+        off[on_device][c->rank] = recorded_calls(cudaStreamPerThread).off_stream;
+        cudaStreamSynchronize(cudaStreamPerThread);
+        if (on_device) cudaMemcpy(host, dev, sizeof host, cudaMemcpyDeviceToHost);
+        CHECK(!st.code && host[0] == c->size && host[1] == 2 * c->size,
+              "rank %d, %s memory: '%s', sums %g %g", c->rank, on_device ? "device" : "host",
+              st.msg, host[0], host[1]);
+        host[0] = 1, host[1] = 2;
+    }
+    cudaFree(dev);
 }
 
-TEST(host_allreduce_without_a_stream_runs_on_the_per_thread_stream) {
-    const char *off[2] = {NULL, NULL};
+TEST(allreduce_without_a_stream_runs_on_the_per_thread_stream) {
+    const char *off[2][2] = {{NULL, NULL}, {NULL, NULL}};
     const uly_status st = nccl_run(2, no_stream_main, off);
-    CHECK(!st.code && !off[0] && !off[1], "'%s'; off the per-thread stream: %s, %s", st.msg,
-          off[0] ? off[0] : "nothing", off[1] ? off[1] : "nothing");
+    for (int m = 0; m < 2; m++)
+        CHECK(!st.code && !off[m][0] && !off[m][1], "'%s'; %s memory, off the per-thread "
+              "stream: %s, %s", st.msg, m ? "device" : "host", off[m][0] ? off[m][0] : "nothing",
+              off[m][1] ? off[m][1] : "nothing");
 }
 
 typedef struct bare_job {
