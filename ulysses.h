@@ -1430,6 +1430,11 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     ULY__CHECK(a->q_head0 >= 0 && a->q_head0 <= INT64_MAX - q.h && a->kv_group >= 0,
                ULY_EINVAL, "q_head0 (%lld) must be in [0, INT64_MAX - q.h] and kv_group (%lld) "
                ">= 0", ULY__LL(a->q_head0), ULY__LL(a->kv_group));
+    const int64_t g = a->kv_group ? a->kv_group : q.h / k.h;
+    ULY__CHECK(uly__mul(uly__add(a->q_head0 / g, k.h), g) >= 0, ULY_EINVAL,
+               "kv_group (%lld): the query heads of kv heads %lld .. %lld overflow int64",
+               ULY__LL(a->kv_group), ULY__LL(a->q_head0 / g),
+               ULY__LL(a->q_head0 / g + k.h - 1));
     ULY__CHECK(uly__kv_of(a, q.h - 1) < k.h, ULY_EINVAL,
                "query head %lld reads kv head %lld (q_head0 %lld, kv_group %lld), but k.h is "
                "%lld", ULY__LL(q.h - 1), ULY__LL(uly__kv_of(a, q.h - 1)), ULY__LL(a->q_head0),

@@ -1748,7 +1748,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     const int diag = s.sk - s.sq;
     const int m_begin = p.causal ? max(0, n0 - diag) / BM * BM : 0; /* first row seeing key n0 */
     const int m_blocks = s.sq > m_begin ? (s.sq - m_begin + BM - 1) / BM : 0;
-    const int iters = (int)(h_end - h_begin) * m_blocks; /* query blocks, head by head */
+    /* query blocks, head by head; none for a kv head that no local query head reads */
+    const int64_t iters = max((int64_t)0, h_end - h_begin) * m_blocks;
 
     ULY_DYN_SMEM(unsigned char, smem); /* K, V [BN][D]; 2 x (Q, dO [BM][D]); P, dS [BM][BN];
                                           2 x (lse, Dsum [BM]) */
@@ -1790,8 +1791,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     uly__frag_zero(dv);
     int64_t h = h_begin; /* this iteration's query block (h, m0), then the next one's */
     int m0 = m_begin;
-    for (int it = 0; it < iters; it++) {
-        const int stage = it & 1;
+    for (int64_t it = 0; it < iters; it++) {
+        const int stage = (int)(it & 1);
         const bool wrap = m0 + BM >= s.sq;
         const int64_t h_next = wrap ? h + 1 : h;
         const int m_next = wrap ? m_begin : m0 + BM;

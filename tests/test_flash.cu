@@ -155,6 +155,24 @@ TEST(gqa_group_split_across_ranks) {
     }
 }
 
+/* A rank whose one query head (global head 0, of groups of 2^32) reads kv head 0 of 2: kv head
+   1, read by no local head, gets dK = dV = 0 exactly. (Its head range was cut to 32 bits once,
+   which made it 1 head and read query head 2^32.) */
+TEST(a_kv_head_no_local_query_head_reads_gets_zero_gradients) {
+    for (int deterministic : {0, 1}) {
+        fcase c = make_case({1, 65, 65, 1, 2, 1}, 64, ULY_BF16);
+        c.kv_group = (int64_t)1 << 32, c.deterministic = deterministic;
+        const run_out r = check_case(c);
+        if (!r.ok) continue;
+        int nonzero = 0; /* dk, dv [1, 65, 2, 64]: kv head 1 is the second half of each row */
+        for (size_t row = 0; row < 65; row++)
+            for (size_t e = 64; e < 128; e++)
+                nonzero += r.dk[row * 128 + e] != 0 || r.dv[row * 128 + e] != 0;
+        CHECK(nonzero == 0, "deterministic=%d: %d dK, dV values of kv head 1 are not 0",
+              deterministic, nonzero);
+    }
+}
+
 /* Sq > Sk, causal: rows 0 .. Sq - Sk - 1 keep no key. */
 TEST(fully_masked_rows_are_zero_with_inf_lse) {
     for (int deterministic : {0, 1}) {
