@@ -251,7 +251,9 @@ typedef struct uly_attn_args {
     int deterministic;           /* bitwise-identical results run to run */
     int64_t q_head0;             /* global index of q's first head; 0 for whole tensors */
     int64_t kv_group;            /* query heads per kv head; 0 = q.h / k.h */
-    void *workspace;             /* workspace(ctx, args) bytes, in the attention's memory */
+    void *workspace;             /* workspace(ctx, args) bytes for these same args (no size
+                                    travels with it, so a buffer sized for other args, say
+                                    deterministic, goes unnoticed), in the attention's memory */
     void *stream;                /* cudaStream_t for GPU attention */
 } uly_attn_args;
 
@@ -1424,7 +1426,8 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     ULY__TRY(uly__check_like("k", k, kv));
     ULY__TRY(uly__check_like("v", a->v, kv));
     ULY__TRY(uly__check_like("o", a->o, q));
-    ULY__CHECK(a->lse, ULY_EINVAL, "lse is NULL");
+    ULY__CHECK(a->lse && (uintptr_t)a->lse % 4 == 0, ULY_EINVAL,
+               "lse is NULL or not 4-byte aligned (it holds floats)");
     ULY__CHECK(isfinite(a->softmax_scale), ULY_EINVAL, "softmax_scale (%g) must be finite",
                (double)a->softmax_scale);
     ULY__CHECK(a->q_head0 >= 0 && a->q_head0 <= INT64_MAX - q.h && a->kv_group >= 0,

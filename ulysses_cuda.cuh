@@ -940,10 +940,11 @@ static uly_status uly__ref_params_of(const uly_attn_args *a, int backward, uly__
     ULY__TRY(uly_attn_check(a, backward));
     ULY__CHECK(a->q.d <= ULY__REF_MAX_D, ULY_EUNSUPPORTED, "reference attention: q.d (%lld) > "
                "%d", ULY__LL(a->q.d), ULY__REF_MAX_D);
-    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED, "reference attention: q.b "
-               "(%lld) and q.h (%lld) must be <= 65535 (grid dims)", ULY__LL(a->q.b),
-               ULY__LL(a->q.h));
-    ULY__CHECK(!backward || a->workspace, ULY_EINVAL, "reference attention: workspace is NULL");
+    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535 && a->k.h <= 65535, ULY_EUNSUPPORTED,
+               "reference attention: q.b (%lld), q.h (%lld) and k.h (%lld) must be <= 65535 "
+               "(grid dims)", ULY__LL(a->q.b), ULY__LL(a->q.h), ULY__LL(a->k.h));
+    ULY__CHECK(!backward || (a->workspace && (uintptr_t)a->workspace % 4 == 0), ULY_EINVAL,
+               "reference attention: workspace is NULL or not 4-byte aligned (it holds floats)");
     p->q = a->q, p->k = a->k, p->v = a->v, p->o = a->o;
     p->dout = a->dout, p->dq = a->dq, p->dk = a->dk, p->dv = a->dv;
     p->lse = a->lse;
@@ -1990,6 +1991,9 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
                (double)a->softmax_scale);
     ULY__CHECK(!backward || (a->workspace && (uintptr_t)a->workspace % 16 == 0), ULY_EINVAL,
                "workspace is NULL or not 16-byte aligned (workspace() gives its bytes)");
+    ULY__CHECK(!vl || ((uintptr_t)vl->cu_seqlens_q % 4 == 0 &&
+                       (uintptr_t)vl->cu_seqlens_k % 4 == 0),
+               ULY_EINVAL, "varlen: cu_seqlens_q and cu_seqlens_k must be 4-byte aligned (int32)");
     ULY__CHECK(!vl || (a->q.b == 1 && vl->batch >= 1 && vl->cu_seqlens_q && vl->cu_seqlens_k &&
                        vl->max_seqlen_q >= 0 && vl->max_seqlen_q <= a->q.s &&
                        vl->max_seqlen_k >= 0 && vl->max_seqlen_k <= a->k.s && vl->batch < 65536),
@@ -2290,7 +2294,15 @@ static uly_status uly__lt_check(void *ctx, const uly_attn_args *a, int backward)
                "dtype %s: the cuBLASLt attention takes bf16 or fp16", uly__dtype_name(a->q.dtype));
     ULY__CHECK(a->q.d <= 256 && a->q.d % 8 == 0, ULY_EUNSUPPORTED,
                "q.d (%lld): the cuBLASLt attention takes D <= 256, D %% 8 == 0", ULY__LL(a->q.d));
-    ULY__CHECK(a->workspace, ULY_EINVAL, "workspace is NULL (workspace() gives its bytes)");
+    ULY__CHECK(a->workspace && (uintptr_t)a->workspace % 256 == 0, ULY_EINVAL,
+               "workspace is NULL or not 256-byte aligned, as cudaMalloc's are (workspace() "
+               "gives its bytes)");
+    const int64_t g = a->kv_group ? a->kv_group : a->q.h / a->k.h;
+    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED, "q.b (%lld), q.h (%lld): at "
+               "most 65535 each (the grid of the Dsum pass)", ULY__LL(a->q.b), ULY__LL(a->q.h));
+    ULY__CHECK(uly__mul(uly__min(a->q.h, g), a->q.s) <= INT_MAX && a->k.s <= INT_MAX,
+               ULY_EUNSUPPORTED, "q.s (%lld) x %lld heads a kv head, k.s (%lld): a GEMM's "
+               "dims are int", ULY__LL(a->q.s), ULY__LL(uly__min(a->q.h, g)), ULY__LL(a->k.s));
     if (backward) {
         ULY__TRY(uly__fa_rows16(a->o, "o"));
         ULY__TRY(uly__fa_rows16(a->dout, "dout"));

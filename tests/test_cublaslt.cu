@@ -150,7 +150,7 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
     const uly_attn lt = uly_cublaslt_attention(lt_handle());
     uly_attn_args a;
     memset(&a, 0, sizeof a);
-    alignas(16) char buf[64];
+    alignas(256) char buf[64];
     a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 1, 12);
     a.k = a.v = a.dk = a.dv = a.q;
     a.lse = (float *)buf, a.workspace = buf;
@@ -162,6 +162,16 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
     a.k = a.v = a.dk = a.dv = a.q;
     st = lt.fwd(lt.ctx, &a);
     CHECK(st.code == ULY_EINVAL && strstr(st.msg, "workspace is NULL"), "'%s'", st.msg);
+    a.workspace = buf + 16; /* fp32 scores and cuBLASLt's own part need cudaMalloc's alignment */
+    st = lt.fwd(lt.ctx, &a);
+    CHECK(st.code == ULY_EINVAL && strstr(st.msg, "not 256-byte aligned"), "'%s'", st.msg);
+    a.workspace = buf; /* 65536 heads of one element each: a view, never read */
+    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 65536, 8);
+    a.q.sh = a.o.sh = a.dout.sh = a.dq.sh = 8;
+    a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, 1, 1, 1, 8);
+    st = lt.fwd(lt.ctx, &a);
+    CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "q.h (65536): at most 65535"), "'%s'",
+          st.msg);
     /* The backward's Dsum pass reads o and dout in 16-byte chunks: two rows (a stride of a dim
        of extent 1 is never applied, and may be anything). */
     a.workspace = buf;

@@ -157,6 +157,25 @@ TEST(reference_attention_maps_a_group_split_at_q_head0) {
     check_reference(c);
 }
 
+/* What the reference attention's grid (k.h is the dK/dV kernel's y) or its float workspace
+   cannot take is an error before anything runs. The views are never read. */
+TEST(reference_attention_rejects_65536_kv_heads_and_a_misaligned_workspace) {
+    const uly_attn ref = uly_cuda_reference_attention();
+    alignas(16) static float buf[16];
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_F32, 1, 1, 1, 8);
+    a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_F32, 1, 1, 65536, 8);
+    a.kv_group = 1, a.lse = buf, a.workspace = buf;
+    uly_status st = ref.check(ref.ctx, &a, 1);
+    CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "k.h (65536) must be <= 65535"), "'%s'",
+          st.msg);
+    a.k = a.v = a.dk = a.dv = a.q;
+    a.workspace = (char *)buf + 2;
+    st = ref.bwd(ref.ctx, &a);
+    CHECK(st.code == ULY_EINVAL && strstr(st.msg, "not 4-byte aligned"), "'%s'", st.msg);
+}
+
 /* P, B, S, H, Hkv, D, causal, fused, scale */
 static const sp_case layer_cases[] = {
     {1, 1, 5, 2, 2, 8, 0, 0, 0},     /* one rank: the layer is plain attention */

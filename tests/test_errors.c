@@ -490,6 +490,7 @@ static const attn_bad attn_table[] = {
     {"q_head0 + q.h beyond int64", 0, ULY_EINVAL, "q_head0"},
     {"q.ss = -1 (a negative stride, not uly_dense's overflow mark)", 0, ULY_EINVAL, ">= 0"},
     {"kv_group 2^62 over 2 kv heads: their query heads pass int64", 0, ULY_EINVAL, "kv_group"},
+    {"lse 2 bytes into a float array", 0, ULY_EINVAL, "lse is NULL or not 4-byte aligned"},
 };
 
 static void break_args(uly_attn_args *a, int i) {
@@ -511,6 +512,7 @@ static void break_args(uly_attn_args *a, int i) {
     case 14: a->q_head0 = INT64_MAX - 1; break;
     case 15: a->q.ss = -1; break;
     case 16: a->kv_group = (int64_t)1 << 62; break;
+    case 17: a->lse = (float *)((char *)alse + 2); break;
     }
 }
 
