@@ -133,8 +133,8 @@ ULYDEF uly_tensor uly_dense(void *data, uly_dtype t, int64_t b, int64_t s, int64
 /* The view of heads [h0, h0 + n) of t. */
 ULYDEF uly_tensor uly_head_slice(uly_tensor t, int64_t h0, int64_t n);
 /* q, k, v views of a dense fused [b, s, nq + 2*nkv, d] buffer (q heads, k heads, v heads). The
-   views are checked where they are used; this fails for a NULL output, a size that is not
-   positive (nq or nkv negative) or a buffer whose bytes overflow int64. */
+   views are checked where they are used; this fails for a NULL output, b, s or d not positive,
+   nq or nkv negative, or a buffer whose bytes overflow int64. */
 ULYDEF uly_status uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, int64_t nq,
                                 int64_t nkv, int64_t d, uly_tensor *q, uly_tensor *k,
                                 uly_tensor *v);
@@ -251,9 +251,10 @@ typedef struct uly_attn_args {
     int deterministic;           /* bitwise-identical results run to run */
     int64_t q_head0;             /* global index of q's first head; 0 for whole tensors */
     int64_t kv_group;            /* query heads per kv head; 0 = q.h / k.h */
-    void *workspace;             /* workspace(ctx, args) bytes for these same args (no size
-                                    travels with it, so a buffer sized for other args, say
-                                    deterministic, goes unnoticed), in the attention's memory */
+    void *workspace;             /* workspace(ctx, args) bytes, asked with these same args (no
+                                    size travels with it, so one sized for other args goes
+                                    unnoticed), aligned as the attention requires, in the
+                                    attention's memory */
     void *stream;                /* cudaStream_t for GPU attention */
 } uly_attn_args;
 
@@ -312,7 +313,9 @@ typedef struct uly_layer {
     float softmax_scale;    /* 0 = 1/sqrt(D) */
     int causal;
     int deterministic;
-    void *workspace;        /* uly_layer_workspace() bytes, in the communicator's memory */
+    void *workspace;        /* uly_layer_workspace() bytes, in the communicator's memory,
+                               256-byte aligned as cudaMalloc's are (the cuBLASLt attention
+                               needs it, flash 16) */
     int64_t workspace_bytes;
     void *stream;
     /* Optional: called at the start (end = 0) and end (end = 1) of every phase, for timing. */
@@ -326,10 +329,11 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l);
 ULYDEF int64_t uly_saved_bytes(const uly_plan *p);
 ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
 /* q, k, v, out in sequence layout [B, S_r, H or Hkv, D] (views into a fused buffer are fine).
-   saved, the workspace and the tensors must not overlap (an error), except that an output may be
-   written over an input of the same call (out over q, dq over dout): inputs are exchanged
-   before any output is written. dq, dk and dv may interleave (views of one fused buffer) but
-   not share an element. */
+   saved and the workspace must not overlap each other or any tensor (an error), and dq, dk and
+   dv not each other, except as consecutive slices along b, s or h of one view (uly_qkv_views'
+   fused buffer; an interleave like [.., H, 3, D] is refused). An output may be written over an
+   input of the same call (out over q, dq over dout): inputs are exchanged before any output is
+   written. */
 ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
                               uly_tensor out, void *saved);
 /* dq, dk, dv are overwritten, in sequence layout. */
@@ -1820,8 +1824,8 @@ static uly_status uly__check_apart(const uly_layer *l, int backward, const void 
         const int64_t n = uly__span(t[i]);
         const int in_saved = uly__meet(t[i].data, n, saved, sv);
         ULY__CHECK(!in_saved && !uly__meet(t[i].data, n, l->workspace, ws), ULY_EINVAL,
-                   "%s overlaps %s: the layer writes there while it needs %s", names[i],
-                   in_saved ? "saved" : "layer.workspace", names[i]);
+                   "%s overlaps %s: saved, layer.workspace and the tensors must be apart",
+                   names[i], in_saved ? "saved" : "layer.workspace");
         for (int j = 1; backward && j < i; j++)
             ULY__CHECK(!uly__share(t[j], t[i]), ULY_EINVAL,
                        "%s and %s share memory: each gradient needs elements of its own",

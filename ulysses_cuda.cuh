@@ -128,7 +128,8 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
    only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier go through `scratch`,
    ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL: they return
    ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most timeout_s
-   seconds (0: no limit). Given no stream, they use the per-thread default one: the legacy
+   seconds (0: no limit). Given no stream, allreduce_sum (of either memory) and barrier use the
+   per-thread default one: the legacy
    stream would also wait for every other blocking stream, another communicator's collectives
    among them, which can tie two communicators into a deadlock. Failures return ULY_ECOMM with
    NCCL's message. After any failure (a call NCCL refused, a peer or the network gone) or a
@@ -174,8 +175,9 @@ typedef struct uly_varlen {
     int64_t max_seqlen_k;
 } uly_varlen;
 
-/* The flash kernels as a uly_attn. ctx is unused. The backward's workspace holds Dsum and, unless
-   deterministic, the fp32 dQ accumulator; the forward needs none. */
+/* The flash kernels as a uly_attn. ctx is NULL (a ctx is taken as the uly_varlen of
+   uly_flash_varlen_attention). The backward's workspace holds Dsum and, unless deterministic,
+   the fp32 dQ accumulator; the forward needs none. */
 ULYDEF uly_attn uly_flash_attention(void);
 
 /* Varlen: args as for the dense calls, with q.b == k.b == 1 and the documents taken from v.
@@ -183,10 +185,11 @@ ULYDEF uly_attn uly_flash_attention(void);
 ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v);
 ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v);
 
-/* The same as a uly_attn (ctx is v, which must outlive it): packed documents through the SP
-   layer. The layer attends over the full sequence, so v describes the documents of the whole
-   [1, S] sample, the same on every SP rank, and a document may cross any shard boundary.
-   The plan's batch must be 1. */
+/* The same as a uly_attn (ctx is v, which must outlive it and stay unchanged from a forward to
+   its backward): packed documents through the SP layer. The layer attends over the full
+   sequence, so v describes the documents of the whole [1, S] sample, the same on every SP rank
+   (batch: the documents, at most 65535; max_seqlen_q = max_seqlen_k: the longest), and a
+   document may cross any shard boundary. The plan's batch must be 1. */
 ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v);
 
 #ifdef ULYSSES_CUBLASLT
@@ -1080,7 +1083,7 @@ static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStr
     return uly__nccl_async(n->comm, "allreduce_sum");
 }
 
-/* Host memory: through scratch, a chunk at a time, waiting for each. */
+/* Device memory in place; host memory through scratch, a chunk at a time, waiting for each. */
 static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, void *stream) {
     uly_nccl *n = (uly_nccl *)ctx;
     /* No stream (uly_loss_reduce's): the per-thread default one, as for barrier. */
