@@ -104,6 +104,19 @@ TEST_BINS += $(BUILD)/test_static $(BUILD)/asan/test_static
 TEST_BINS += $(BUILD)/hdr/gcc-c99.o $(BUILD)/hdr/gcc-c99-nothreads.o $(BUILD)/hdr/gxx-c++17.o
 TESTS += $(foreach d,$(BUILD) $(BUILD)/asan,$(foreach t,test_plan test_layer test_loss test_errors test_dtype test_link test_static,$(d)/$(t)))
 TESTS += $(BUILD)/test_link_cxx
+
+# The README's complete integration as printed there, seq_len 8192 cut to 256 so that it runs in
+# a second: it compiles with the tests' warnings as errors and runs, under ASan, with nothing on
+# stderr (a failing call prints its message there).
+$(BUILD)/readme_example.c: README.md | $(BUILD)
+	awk '/^## A complete integration/ { f = 1 } f && /^```c$$/ { p = 1; next } \
+	     p && /^```$$/ { exit } p' $< | sed 's/\.seq_len = 8192/.seq_len = 256/' > $@
+	grep -q 'seq_len = 256' $@
+$(BUILD)/readme_example: $(BUILD)/readme_example.c ulysses.h
+	$(CC) $(CFLAGS) -O1 $(SAN) -o $@ $< $(LDLIBS)
+TEST_BINS += $(BUILD)/readme_example
+TESTS     += 'err=$$($(BUILD)/readme_example 2>&1 >/dev/null) && [ -z "$$err" ] && \
+              echo "1 passed, 0 failed"'
 ifeq ($(HAVE_CLANG),1)
 TEST_BINS += $(BUILD)/hdr/clang-c99.o $(BUILD)/hdr/clangxx-c++17.o
 else
