@@ -553,10 +553,10 @@ static int64_t uly__span(uly_tensor t) {
            uly_dtype_size(t.dtype);
 }
 
-/* Whether bytes [a, a + an) and [b, b + bn) meet. */
+/* Whether bytes [a, a + an) and [b, b + bn) meet (by distances, which cannot wrap around). */
 static int uly__meet(const void *a, int64_t an, const void *b, int64_t bn) {
     const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-    return x < y + (uintptr_t)bn && y < x + (uintptr_t)an;
+    return x <= y ? y - x < (uintptr_t)an : x - y < (uintptr_t)bn;
 }
 
 /* Whether two checked views of one dtype may share an element. Views whose bytes interleave
@@ -572,9 +572,14 @@ static int uly__share(uly_tensor x, uly_tensor y) {
     }
     const uintptr_t gap = (uintptr_t)y.data - (uintptr_t)x.data;
     const int64_t es = uly_dtype_size(x.dtype), at = (int64_t)(gap / (uintptr_t)es);
-    if (gap % (uintptr_t)es || x.d != y.d || x.sb != y.sb || x.ss != y.ss || x.sh != y.sh)
-        return 1;
-    const int64_t ex[3] = {x.b, x.s, x.h}, ey[3] = {y.b, y.s, y.h}, str[3] = {x.sb, x.ss, x.sh};
+    const int64_t ex[3] = {x.b, x.s, x.h}, ey[3] = {y.b, y.s, y.h};
+    int64_t str[3] = {x.sb, x.ss, x.sh}, sy[3] = {y.sb, y.ss, y.sh};
+    for (int i = 0; i < 3; i++) { /* a dim of extent 1 never applies its stride: any will do */
+        if (ex[i] == 1) str[i] = sy[i];
+        else if (ey[i] == 1) sy[i] = str[i];
+    }
+    if (gap % (uintptr_t)es || x.d != y.d || memcmp(str, sy, sizeof str)) return 1;
+    x.sb = str[0], x.ss = str[1], x.sh = str[2];
     for (int m = 0; m < 3; m++) {
         const int a = (m + 1) % 3, b = (m + 2) % 3;
         if (!str[m] || at % str[m] || at / str[m] < ex[m] || ex[a] != ey[a] || ex[b] != ey[b])
@@ -609,15 +614,19 @@ static int uly__is_kv(uly_xchg x) { return x == ULY_X_KV || x == ULY_X_DKV; }
 static int uly__to_head(uly_xchg x) { return x == ULY_X_Q || x == ULY_X_KV; }
 
 static uly_status uly__check_desc(const uly_plan_desc *d);
+static int64_t uly__bytes(const uly_plan *p, int64_t tokens, int64_t heads);
 
-/* p is as uly_plan_init made it: a valid desc and the fields derived from it (a plan changed
-   afterwards would size and index buffers by fields that disagree). */
+/* p is as uly_plan_init made it: a valid desc, the fields derived from it, and a fused buffer
+   whose bytes fit int64 (a plan edited afterwards would size and index buffers by fields that
+   disagree, or by sizes that overflow). */
 static int uly__plan_ok(const uly_plan *p) {
     return p && !uly__check_desc(&p->desc).code &&
            p->sp_rank == p->desc.rank % p->desc.sp_size &&
            p->dp_rank == p->desc.rank / p->desc.sp_size &&
-           p->group * p->desc.n_kv_heads == p->desc.n_heads &&
-           p->elem_size == uly_dtype_size(p->desc.dtype);
+           p->group == p->desc.n_heads / p->desc.n_kv_heads &&
+           p->elem_size == uly_dtype_size(p->desc.dtype) &&
+           uly__bytes(p, p->desc.seq_len,
+                      uly__add(p->desc.n_heads, uly__mul(2, p->desc.n_kv_heads))) >= 0;
 }
 
 /* n items over P ranks in order, the first n % P ranks one more. */

@@ -175,9 +175,8 @@ typedef struct uly_varlen {
     int64_t max_seqlen_k;
 } uly_varlen;
 
-/* The flash kernels as a uly_attn. ctx is NULL (a ctx is taken as the uly_varlen of
-   uly_flash_varlen_attention). The backward's workspace holds Dsum and, unless deterministic,
-   the fp32 dQ accumulator; the forward needs none. */
+/* The flash kernels as a uly_attn. ctx is unused. The backward's workspace holds Dsum and, unless
+   deterministic, the fp32 dQ accumulator; the forward needs none. */
 ULYDEF uly_attn uly_flash_attention(void);
 
 /* Varlen: args as for the dense calls, with q.b == k.b == 1 and the documents taken from v.
@@ -2117,16 +2116,18 @@ static uly_status uly__fa_run(const uly_attn_args *a, const uly_varlen *vl, int 
     });
 }
 
-/* ctx: the uly_varlen, or NULL for dense tensors. */
 static uly_status uly__fa_fwd(void *ctx, const uly_attn_args *a) {
-    return uly__fa_run(a, (const uly_varlen *)ctx, 0);
+    (void)ctx;
+    return uly__fa_run(a, NULL, 0);
 }
 static uly_status uly__fa_bwd(void *ctx, const uly_attn_args *a) {
-    return uly__fa_run(a, (const uly_varlen *)ctx, 1);
+    (void)ctx;
+    return uly__fa_run(a, NULL, 1);
 }
 static uly_status uly__fa_check(void *ctx, const uly_attn_args *a, int backward) {
     uly__fa_params p;
-    return uly__fa_setup(a, (const uly_varlen *)ctx, backward, &p);
+    (void)ctx;
+    return uly__fa_setup(a, NULL, backward, &p);
 }
 
 ULYDEF uly_attn uly_flash_attention(void) {
@@ -2134,16 +2135,32 @@ ULYDEF uly_attn uly_flash_attention(void) {
     return at;
 }
 
-ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v) {
-    uly_attn at = {uly__fa_fwd, uly__fa_bwd, uly__fa_workspace, (void *)v, uly__fa_check, 1};
-    return at;
-}
-
 ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v) {
+    ULY__CHECK(v, ULY_EINVAL, "varlen: the uly_varlen is NULL");
     return uly__fa_run(a, v, 0);
 }
 ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v) {
+    ULY__CHECK(v, ULY_EINVAL, "varlen: the uly_varlen is NULL");
     return uly__fa_run(a, v, 1);
+}
+
+/* The varlen calls as a uly_attn: ctx is the uly_varlen. */
+static uly_status uly__fa_varlen_fwd(void *ctx, const uly_attn_args *a) {
+    return uly_flash_varlen_fwd(a, (const uly_varlen *)ctx);
+}
+static uly_status uly__fa_varlen_bwd(void *ctx, const uly_attn_args *a) {
+    return uly_flash_varlen_bwd(a, (const uly_varlen *)ctx);
+}
+static uly_status uly__fa_varlen_check(void *ctx, const uly_attn_args *a, int backward) {
+    uly__fa_params p;
+    ULY__CHECK(ctx, ULY_EINVAL, "varlen: the uly_varlen is NULL");
+    return uly__fa_setup(a, (const uly_varlen *)ctx, backward, &p);
+}
+
+ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v) {
+    uly_attn at = {uly__fa_varlen_fwd, uly__fa_varlen_bwd, uly__fa_workspace, (void *)v,
+                   uly__fa_varlen_check, 1};
+    return at;
 }
 
 /* ---------------------------------------------------------------------------------------------

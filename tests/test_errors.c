@@ -429,6 +429,10 @@ TEST(gradient_views_that_interleave_are_told_from_views_that_share_an_element) {
     t0.s = 2, t1.s = 1, t1.data = buf + 2 * 8 * 8, t2.s = 2, t2.data = buf + 8 * 8;
     uly_tensor q_shift = q, kv = uly_head_slice(all, 4, 3); /* heads 4..6: k and v's first */
     q_shift.data = buf + 1;
+    /* one batch: the stride of b is never applied, so k's may be anything */
+    uly_tensor q1, k1, v1, k1_sb;
+    CHECK(!uly_qkv_views(buf, ULY_F32, 1, 3, 4, 2, 8, &q1, &k1, &v1).code, "fused views, B 1");
+    k1_sb = k1, k1_sb.sb = 12345;
     const struct {
         const char *what;
         uly_tensor x, y;
@@ -441,6 +445,8 @@ TEST(gradient_views_that_interleave_are_told_from_views_that_share_an_element) {
         {"v, heads 4..6", v, kv, 1},   {"q, q one element on", q, q_shift, 1},
         {"tokens [0, 2), [1, 3)", t0, t2, 1},
         {"fused q, heads-outer k", q, hk, 1},
+        {"B = 1: fused q, k whose sb differs", q1, k1_sb, 0},
+        {"B = 1: fused k whose sb differs, k", k1_sb, k1, 1},
     };
     for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++) {
         CHECK(uly__share(pairs[i].x, pairs[i].y) == pairs[i].share &&
@@ -448,6 +454,31 @@ TEST(gradient_views_that_interleave_are_told_from_views_that_share_an_element) {
               "%s: share %d, want %d", pairs[i].what, uly__share(pairs[i].x, pairs[i].y),
               pairs[i].share);
     }
+}
+
+/* Two byte ranges near the top of the address space meet without their ends wrapping around. */
+TEST(overlap_of_byte_ranges_near_the_top_of_the_address_space) {
+    const void *a = (const void *)(UINTPTR_MAX - 63), *b = (const void *)(UINTPTR_MAX - 31);
+    CHECK(uly__meet(a, 64, b, 32) && uly__meet(b, 32, a, 64), "64 bytes and the last 32 meet");
+    CHECK(!uly__meet(a, 32, b, 32) && !uly__meet(b, 32, a, 32), "two 32-byte halves meet");
+}
+
+/* A plan edited after uly_plan_init into sizes that overflow is refused, and sized as 0,
+   instead of sizing buffers from the overflow. */
+TEST(a_plan_edited_into_overflowing_sizes_is_refused) {
+    uly_plan p;
+    uly_plan_desc d = good_desc();
+    CHECK(uly_plan_init(&p, &d).code == ULY_OK, "the base plan");
+    p.desc.seq_len = (int64_t)1 << 60;
+    int64_t c[4][ULY_MAX_SP];
+    check_status(uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]), ULY_EINVAL, "plan",
+                 "seq_len 2^60 after init");
+    CHECK(uly_saved_bytes(&p) == 0 && uly_send_bytes(&p, ULY_X_Q) == 0, "sized as %lld, %lld",
+          (long long)uly_saved_bytes(&p), (long long)uly_send_bytes(&p, ULY_X_Q));
+    CHECK(uly_plan_init(&p, &d).code == ULY_OK, "the base plan");
+    p.desc.n_heads = p.desc.n_kv_heads = (int64_t)1 << 62, p.group = 1;
+    check_status(uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]), ULY_EINVAL, "plan",
+                 "2^62 heads after init");
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -662,6 +662,9 @@ TEST(varlen_rejects_bad_arguments) {
         expect_status(uly_flash_varlen_fwd(&f.a, &vl), ULY_EINVAL, "varlen", x.what);
         expect_status(uly_flash_varlen_bwd(&f.a, &vl), ULY_EINVAL, "varlen", x.what);
     }
+    expect_status(uly_flash_varlen_fwd(&f.a, NULL), ULY_EINVAL, "uly_varlen is NULL", "NULL");
+    const uly_attn none = uly_flash_varlen_attention(NULL);
+    expect_status(none.check(none.ctx, &f.a, 0), ULY_EINVAL, "uly_varlen is NULL", "ctx NULL");
     uly_varlen odd = good; /* int32 arrays 2 bytes in: a misaligned read on a GPU */
     odd.cu_seqlens_k = (const int32_t *)((const char *)good.cu_seqlens_k + 2);
     expect_status(uly_flash_varlen_fwd(&f.a, &odd), ULY_EINVAL, "4-byte aligned", "cu_k + 2");
