@@ -331,9 +331,9 @@ ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
 /* q, k, v, out in sequence layout [B, S_r, H or Hkv, D] (views into a fused buffer are fine).
    saved and the workspace must not overlap each other or any tensor (an error), and dq, dk and
    dv not each other, except as consecutive slices along b, s or h of one view (uly_qkv_views'
-   fused buffer; an interleave like [.., H, 3, D] is refused). An output may be written over an
-   input of the same call (out over q, dq over dout): inputs are exchanged before any output is
-   written. */
+   fused [.., H + 2 Hkv, D]) or as one view shifted into the gaps between its rows (heads
+   interleaved, [.., H, 3, D]). An output may be written over an input of the same call (out
+   over q, dq over dout): inputs are exchanged before any output is written. */
 ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
                               uly_tensor out, void *saved);
 /* dq, dk, dv are overwritten, in sequence layout. */
@@ -559,10 +559,30 @@ static int uly__meet(const void *a, int64_t an, const void *b, int64_t bn) {
     return x <= y ? y - x < (uintptr_t)an : x - y < (uintptr_t)bn;
 }
 
+/* Whether view x moved on by `at` elements lands between its own rows. Visited from the
+   smallest stride up, each stride must be at least the extent times the one inside it: then
+   row starts lie at least the smallest stride apart, and [at, at + d) fits in each gap. */
+static int uly__in_gaps(uly_tensor x, int64_t at) {
+    int64_t ext[3] = {x.b, x.s, x.h}, str[3] = {x.sb, x.ss, x.sh}, inner = 0, cell = 0;
+    for (;;) {
+        int m = -1;
+        for (int i = 0; i < 3; i++)
+            if (ext[i] > 1 && (m < 0 || str[i] < str[m])) m = i;
+        if (m < 0) break;
+        if (!inner) inner = str[m];
+        else if (str[m] < cell) return 0;
+        cell = uly__mul(str[m], ext[m]);
+        if (cell < 0) return 0;
+        ext[m] = 1;
+    }
+    return at >= x.d && (!inner || at <= inner - x.d);
+}
+
 /* Whether two checked views of one dtype may share an element. Views whose bytes interleave
-   can still be apart: the q, k and v heads of one fused buffer (uly_qkv_views) take turns row by
-   row. They are apart when they are two slices, one after the other, of one valid view along
-   one of its dims (same strides, same extents in the other dims); anything else whose bytes
+   can still be apart: the q, k and v heads of one fused buffer take turns row by row. They are
+   apart when they are two slices, one after the other, of one valid view along one of its dims
+   (same strides, same extents in the other dims: uly_qkv_views' [.., H + 2 Hkv, D]), or the
+   same view moved within the gaps between its rows ([.., H, 3, D]); anything else whose bytes
    meet counts as shared. */
 static int uly__share(uly_tensor x, uly_tensor y) {
     if (!uly__meet(x.data, uly__span(x), y.data, uly__span(y))) return 0;
@@ -580,6 +600,7 @@ static int uly__share(uly_tensor x, uly_tensor y) {
     }
     if (gap % (uintptr_t)es || x.d != y.d || memcmp(str, sy, sizeof str)) return 1;
     x.sb = str[0], x.ss = str[1], x.sh = str[2];
+    if (!memcmp(ex, ey, sizeof ex) && uly__in_gaps(x, at)) return 0;
     for (int m = 0; m < 3; m++) {
         const int a = (m + 1) % 3, b = (m + 2) % 3;
         if (!str[m] || at % str[m] || at / str[m] < ex[m] || ex[a] != ey[a] || ex[b] != ey[b])

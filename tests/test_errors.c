@@ -433,6 +433,13 @@ TEST(gradient_views_that_interleave_are_told_from_views_that_share_an_element) {
     uly_tensor q1, k1, v1, k1_sb;
     CHECK(!uly_qkv_views(buf, ULY_F32, 1, 3, 4, 2, 8, &q1, &k1, &v1).code, "fused views, B 1");
     k1_sb = k1, k1_sb.sb = 12345;
+    /* heads interleaved [2, 3, 4, 3 (q k v), 8]; and the same with tight strides (H = 2: rows
+       at 0, 24, 32, 56, ...), where the view moved on by 8 meets its own row at 32 */
+    uly_tensor iq = uly_dense(buf, ULY_F32, 2, 3, 4, 8), ik, iv, tq, tk;
+    iq.sh = 24, iq.ss = 96, iq.sb = 288;
+    ik = iq, ik.data = buf + 8, iv = iq, iv.data = buf + 16;
+    tq = uly_dense(buf, ULY_F32, 1, 3, 2, 8), tq.sh = 24, tq.ss = 32;
+    tk = tq, tk.data = buf + 8;
     const struct {
         const char *what;
         uly_tensor x, y;
@@ -447,6 +454,10 @@ TEST(gradient_views_that_interleave_are_told_from_views_that_share_an_element) {
         {"fused q, heads-outer k", q, hk, 1},
         {"B = 1: fused q, k whose sb differs", q1, k1_sb, 0},
         {"B = 1: fused k whose sb differs, k", k1_sb, k1, 1},
+        {"interleaved q, k", iq, ik, 0},
+        {"interleaved k, v", ik, iv, 0},
+        {"interleaved q, v", iq, iv, 0},
+        {"tight strides, moved by 8", tq, tk, 1},
     };
     for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++) {
         CHECK(uly__share(pairs[i].x, pairs[i].y) == pairs[i].share &&
