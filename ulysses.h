@@ -511,6 +511,15 @@ ULYDEF uly_status uly_qkv_views(void *qkv, uly_dtype t, int64_t b, int64_t s, in
     return uly__ok();
 }
 
+/* Of the dims b, s, h still to visit (extent > 1), the one of the smallest stride; -1 when none
+   is left. The caller visits it and sets its extent to 1. */
+static int uly__next_dim(const int64_t ext[3], const int64_t str[3]) {
+    int m = -1;
+    for (int i = 0; i < 3; i++)
+        if (ext[i] > 1 && (m < 0 || str[i] < str[m])) m = i;
+    return m;
+}
+
 /* The rules of every view: data, a positive shape, strides that keep its rows of d elements
    apart, and byte offsets that fit int64. Visiting the dims from the smallest stride up, each
    stride must step over everything inside it. */
@@ -531,11 +540,7 @@ static uly_status uly__check_view(const char *name, uly_tensor t) {
     ULY__CHECK(t.sb >= 0 && t.ss >= 0 && t.sh >= 0, ULY_EINVAL,
                "%s: strides (sb %lld, ss %lld, sh %lld) must be >= 0", name, ULY__LL(t.sb),
                ULY__LL(t.ss), ULY__LL(t.sh));
-    for (;;) {
-        int m = -1;
-        for (int i = 0; i < 3; i++)
-            if (ext[i] > 1 && (m < 0 || str[i] < str[m])) m = i;
-        if (m < 0) break;
+    for (int m; (m = uly__next_dim(ext, str)) >= 0;) {
         ULY__CHECK(str[m] >= span, ULY_EINVAL,
                    "%s: %s (%lld) < %lld: rows of the view overlap (the last dim must be "
                    "contiguous and rows apart)", name, dim[m], ULY__LL(str[m]), ULY__LL(span));
@@ -564,11 +569,7 @@ static int uly__meet(const void *a, int64_t an, const void *b, int64_t bn) {
    row starts lie at least the smallest stride apart, and [at, at + d) fits in each gap. */
 static int uly__in_gaps(uly_tensor x, int64_t at) {
     int64_t ext[3] = {x.b, x.s, x.h}, str[3] = {x.sb, x.ss, x.sh}, inner = 0, cell = 0;
-    for (;;) {
-        int m = -1;
-        for (int i = 0; i < 3; i++)
-            if (ext[i] > 1 && (m < 0 || str[i] < str[m])) m = i;
-        if (m < 0) break;
+    for (int m; (m = uly__next_dim(ext, str)) >= 0;) {
         if (!inner) inner = str[m];
         else if (str[m] < cell) return 0;
         cell = uly__mul(str[m], ext[m]);
