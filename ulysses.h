@@ -1437,9 +1437,14 @@ static float uly__scale(const uly_attn_args *a) {
     return a->softmax_scale != 0 ? a->softmax_scale : 1.0f / sqrtf((float)a->q.d);
 }
 
+/* Query heads per kv head: kv_group, or q.h / k.h where it is 0. */
+static int64_t uly__group(const uly_attn_args *a) {
+    return a->kv_group ? a->kv_group : a->q.h / a->k.h;
+}
+
 /* The kv head that local query head i reads. */
 static int64_t uly__kv_of(const uly_attn_args *a, int64_t i) {
-    int64_t g = a->kv_group ? a->kv_group : a->q.h / a->k.h;
+    const int64_t g = uly__group(a);
     return (a->q_head0 + i) / g - a->q_head0 / g;
 }
 
@@ -1468,7 +1473,7 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     ULY__CHECK(a->q_head0 >= 0 && a->q_head0 <= INT64_MAX - q.h && a->kv_group >= 0,
                ULY_EINVAL, "q_head0 (%lld) must be in [0, INT64_MAX - q.h] and kv_group (%lld) "
                ">= 0", ULY__LL(a->q_head0), ULY__LL(a->kv_group));
-    const int64_t g = a->kv_group ? a->kv_group : q.h / k.h;
+    const int64_t g = uly__group(a);
     ULY__CHECK(uly__mul(uly__add(a->q_head0 / g, k.h), g) >= 0, ULY_EINVAL,
                "kv_group (%lld): the query heads of kv heads %lld .. %lld overflow int64",
                ULY__LL(a->kv_group), ULY__LL(a->q_head0 / g),
@@ -1762,7 +1767,9 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l) {
     return uly__max(0, uly__layer_bytes(l));
 }
 
-static uly_status uly__check_layer(const uly_layer *l, int backward, const void *saved) {
+/* The layer's fields and buffers; *need gets uly_layer_workspace(). */
+static uly_status uly__check_layer(const uly_layer *l, int backward, const void *saved,
+                                   int64_t *need) {
     ULY__CHECK(l, ULY_EINVAL, "layer is NULL");
     const uly_plan *p = l->plan;
     const uly_comm *c = l->comm;
@@ -1783,14 +1790,14 @@ static uly_status uly__check_layer(const uly_layer *l, int backward, const void 
                "layer: comm->device (%d), layout.device (%d) and attn.device (%d) differ: the "
                "three must all work on host memory (0) or all on GPU memory (1)", c->device,
                l->layout.device, l->attn.device);
-    int64_t need = uly__layer_bytes(l);
-    ULY__CHECK(need >= 0, ULY_EOVERFLOW,
+    *need = uly__layer_bytes(l);
+    ULY__CHECK(*need >= 0, ULY_EOVERFLOW,
                "layer workspace: its size overflows int64, or layer.attn.workspace failed");
     ULY__CHECK(l->workspace, ULY_EINVAL, "layer.workspace is NULL (uly_layer_workspace() is %lld "
-               "bytes)", ULY__LL(need));
-    ULY__CHECK(l->workspace_bytes >= need, ULY_EINVAL,
+               "bytes)", ULY__LL(*need));
+    ULY__CHECK(l->workspace_bytes >= *need, ULY_EINVAL,
                "layer.workspace_bytes (%lld) < uly_layer_workspace() (%lld)",
-               ULY__LL(l->workspace_bytes), ULY__LL(need));
+               ULY__LL(l->workspace_bytes), ULY__LL(*need));
     ULY__CHECK(saved, ULY_EINVAL, "saved is NULL (uly_saved_bytes() is %lld bytes)",
                ULY__LL(uly_saved_bytes(p)));
     return uly__ok();
@@ -1844,10 +1851,11 @@ typedef struct uly__pass {
 /* What a pass writes must not share memory with what it reads or writes after: saved and the
    workspace are apart from each other and from the tensors, and the three gradients from each
    other. An output may alias an input (out over q, dq over dout): the inputs are exchanged
-   before any output is written. */
+   before any output is written. ws: the workspace's bytes in use. */
 static uly_status uly__check_apart(const uly_layer *l, int backward, const void *saved,
-                                   const char *const names[4], const uly_tensor t[4]) {
-    const int64_t ws = uly__layer_bytes(l), sv = uly_saved_bytes(l->plan);
+                                   int64_t ws, const char *const names[4],
+                                   const uly_tensor t[4]) {
+    const int64_t sv = uly_saved_bytes(l->plan);
     ULY__CHECK(!uly__meet(saved, sv, l->workspace, ws), ULY_EINVAL,
                "saved (%lld bytes) and layer.workspace (%lld bytes) overlap", ULY__LL(sv),
                ULY__LL(ws));
@@ -1871,12 +1879,13 @@ static uly_status uly__begin(const uly_layer *l, int backward, void *saved,
                              const char *const names[4], const uly_tensor t[4], uly__pass *s) {
     static const uly_xchg fwd[4] = {ULY_X_Q, ULY_X_KV, ULY_X_KV, ULY_X_O};
     static const uly_xchg bwd[4] = {ULY_X_Q, ULY_X_O, ULY_X_DKV, ULY_X_DKV};
-    ULY__TRY(uly__check_layer(l, backward, saved));
+    int64_t ws = 0;
+    ULY__TRY(uly__check_layer(l, backward, saved, &ws));
     const uly_plan *p = l->plan;
     for (int i = 0; i < 4; i++)
         ULY__TRY(uly__check_like(names[i], t[i],
                                  uly__seq_layout(p, (backward ? bwd : fwd)[i], NULL)));
-    ULY__TRY(uly__check_apart(l, backward, saved, names, t));
+    ULY__TRY(uly__check_apart(l, backward, saved, ws, names, t));
     uly__heads_at(p, saved, &s->h);
     uly__work_at(p, l->workspace, &s->w);
     s->a = uly__args(l, &s->h, uly_saved_lse(p, saved), backward ? &s->w.grad : NULL,

@@ -951,10 +951,10 @@ static uly_status uly__ref_params_of(const uly_attn_args *a, int backward, uly__
     p->dout = a->dout, p->dq = a->dq, p->dk = a->dk, p->dv = a->dv;
     p->lse = a->lse;
     p->dsum = (float *)a->workspace;
-    p->scale = a->softmax_scale ? a->softmax_scale : 1.0f / sqrtf((float)a->q.d);
+    p->scale = uly__scale(a);
     p->causal = a->causal;
     p->q_head0 = a->q_head0;
-    p->group = a->kv_group ? a->kv_group : a->q.h / a->k.h;
+    p->group = uly__group(a);
     return uly__ok();
 }
 
@@ -2013,8 +2013,8 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     p->sq = (int)a->q.s;
     p->sk = (int)a->k.s;
     p->q_head0 = a->q_head0;
-    p->kv_group = a->kv_group ? a->kv_group : a->q.h / a->k.h;
-    p->scale = a->softmax_scale != 0.f ? a->softmax_scale : 1.f / sqrtf((float)a->q.d);
+    p->kv_group = uly__group(a);
+    p->scale = uly__scale(a);
     p->scale_log2 = p->scale * ULY__LOG2E;
     p->causal = a->causal;
     if (backward) {
@@ -2279,10 +2279,8 @@ struct uly__lt_ws {
     void *lt;
 };
 
-static int64_t uly__lt_group(const uly_attn_args *a) {
-    const int64_t g = a->kv_group ? a->kv_group : a->q.h / a->k.h;
-    return min(g, a->q.h);
-}
+/* The most query heads of one kv head here: the rows of a score block are this times Sq. */
+static int64_t uly__lt_group(const uly_attn_args *a) { return min(uly__group(a), a->q.h); }
 
 static int64_t uly__lt_workspace(void *ctx, const uly_attn_args *a) {
     (void)ctx;
@@ -2317,12 +2315,11 @@ static uly_status uly__lt_check(void *ctx, const uly_attn_args *a, int backward)
     ULY__CHECK(a->workspace && (uintptr_t)a->workspace % 256 == 0, ULY_EINVAL,
                "workspace is NULL or not 256-byte aligned, as cudaMalloc's are (workspace() "
                "gives its bytes)");
-    const int64_t g = a->kv_group ? a->kv_group : a->q.h / a->k.h;
     ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED, "q.b (%lld), q.h (%lld): at "
                "most 65535 each (the grid of the Dsum pass)", ULY__LL(a->q.b), ULY__LL(a->q.h));
-    ULY__CHECK(uly__mul(uly__min(a->q.h, g), a->q.s) <= INT_MAX && a->k.s <= INT_MAX,
+    ULY__CHECK(uly__mul(uly__lt_group(a), a->q.s) <= INT_MAX && a->k.s <= INT_MAX,
                ULY_EUNSUPPORTED, "q.s (%lld) x %lld heads a kv head, k.s (%lld): a GEMM's "
-               "dims are int", ULY__LL(a->q.s), ULY__LL(uly__min(a->q.h, g)), ULY__LL(a->k.s));
+               "dims are int", ULY__LL(a->q.s), ULY__LL(uly__lt_group(a)), ULY__LL(a->k.s));
     if (backward) {
         ULY__TRY(uly__fa_rows16(a->o, "o"));
         ULY__TRY(uly__fa_rows16(a->dout, "dout"));
@@ -2337,8 +2334,8 @@ static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int ba
     ULY__TRY(uly__lt_check(h, a, backward));
     const cudaDataType_t dt = a->q.dtype == ULY_BF16 ? CUDA_R_16BF : CUDA_R_16F;
     const int64_t B = a->q.b, H = a->q.h, Sq = a->q.s, Sk = a->k.s, D = a->q.d;
-    const int64_t g = a->kv_group ? a->kv_group : H / a->k.h, g0 = a->q_head0 / g;
-    const float scale = a->softmax_scale != 0.f ? a->softmax_scale : 1.f / sqrtf((float)D);
+    const int64_t g = uly__group(a), g0 = a->q_head0 / g;
+    const float scale = uly__scale(a);
     cudaStream_t stream = (cudaStream_t)a->stream;
     const uly__lt_ws w = uly__lt_carve(a);
     if (backward) { /* Dsum by the flash pre-pass */
