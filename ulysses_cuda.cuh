@@ -198,7 +198,9 @@ ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v);
    group in fp32). Every intermediate is materialized ([group, Sq, Sk] per kv head at a time),
    rounded to the dtype as a plain attention does: the GPU-side second reference for the flash
    kernels, and the fallback for head dims they do not cover (any D <= 256, D % 8 == 0; bf16 and
-   fp16; dense or strided). Deterministic. ctx is the handle. */
+   fp16; dense or strided). Deterministic. ctx is the handle, which cuBLASLt ties to the device
+   current when it was created: call with that device current. A product no cuBLASLt kernel runs
+   at its operands' alignment is ULY_EUNSUPPORTED. */
 ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle);
 #endif
 
@@ -2215,7 +2217,9 @@ static int uly__lt_blocks(int64_t n, int per_block) {
 }
 
 static uly_status uly__lt(cublasStatus_t e, const char *what) {
-    ULY__CHECK(e == CUBLAS_STATUS_SUCCESS, ULY_ECUDA, "%s: %s", what, cublasLtGetStatusString(e));
+    const int unsupported = e == CUBLAS_STATUS_NOT_SUPPORTED || e == CUBLAS_STATUS_ARCH_MISMATCH;
+    ULY__CHECK(e == CUBLAS_STATUS_SUCCESS, unsupported ? ULY_EUNSUPPORTED : ULY_ECUDA, "%s: %s",
+               what, cublasLtGetStatusString(e));
     return uly__ok();
 }
 
@@ -2228,6 +2232,54 @@ struct uly__lt_mat {
 
 enum { ULY__LT_WS = 32 << 20 }; /* cuBLASLt's own workspace */
 
+/* The alignment, in bytes, that a kernel may assume of a matrix: the largest power of two up to
+   256 dividing its address, leading dimension and (batched) stride. cuBLASLt's search assumes
+   256 unless told, and score rows of odd length or a head's offset leave far less. */
+static uint32_t uly__lt_align(const uly__lt_mat *m, int64_t ld, int batch) {
+    const int64_t es = m->t == CUDA_R_32F ? 4 : 2;
+    uint64_t x = (uint64_t)(uintptr_t)m->p | 256u | (uint64_t)(ld * es);
+    if (batch > 1) x |= (uint64_t)(m->stride * es);
+    return (uint32_t)(x & (~x + 1));
+}
+
+/* The search's best kernel for a product whose operands A, B and C = D (l, as cublasLtMatmul
+   names them) are aligned to align[] bytes, with partial sums of a split K kept in fp32 (not in
+   a 16-bit D, which would round O and dQ more than once). */
+static uly_status uly__lt_search(cublasLtHandle_t h, cublasLtMatmulDesc_t desc,
+                                 cublasLtMatrixLayout_t const (&l)[3], const uint32_t (&align)[3],
+                                 cublasLtMatmulAlgo_t *algo) {
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t best;
+    int found = 0;
+    const uint64_t ws_bytes = ULY__LT_WS;
+    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    const struct {
+        cublasLtMatmulPreferenceAttributes_t attr;
+        const void *v;
+        size_t n;
+    } set[] = {{CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes},
+               {CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes},
+               {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align[0], sizeof align[0]},
+               {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align[1], sizeof align[1]},
+               {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align[2], sizeof align[2]},
+               {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[2], sizeof align[2]}};
+    uly_status st =
+        uly__lt(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+    for (size_t i = 0; i < sizeof set / sizeof set[0] && !st.code; i++)
+        st = uly__lt(cublasLtMatmulPreferenceSetAttribute(pref, set[i].attr, set[i].v, set[i].n),
+                     "cublasLtMatmulPreferenceSetAttribute");
+    if (!st.code)
+        st = uly__lt(cublasLtMatmulAlgoGetHeuristic(h, desc, l[0], l[1], l[2], l[2], pref, 1,
+                                                    &best, &found),
+                     "cublasLtMatmulAlgoGetHeuristic");
+    if (!st.code && (found < 1 || best.state != CUBLAS_STATUS_SUCCESS))
+        st = uly__err(ULY_EUNSUPPORTED, "cuBLASLt has no kernel for a product whose operands "
+                      "are aligned to %u, %u and %u bytes", align[0], align[1], align[2]);
+    if (!st.code) *algo = best.algo;
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    return st;
+}
+
 /* D = alpha * op(A) op(B) + beta * D for `batch` row-major matrices (op transposes when t*).
    cuBLASLt is column-major, where a row-major X is X^T: so it computes D^T = op(B)^T op(A)^T. */
 static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__lt_mat b, int tb,
@@ -2235,6 +2287,8 @@ static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__l
                                cudaStream_t stream) {
     cublasLtMatmulDesc_t desc = NULL;
     cublasLtMatrixLayout_t l[3] = {NULL, NULL, NULL};
+    cublasLtMatmulAlgo_t algo;
+    uint32_t align[3];
     const uly__lt_mat *m[3] = {&b, &a, &d};
     const cublasOperation_t op[2] = {tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N};
     uly_status st = uly__lt(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
@@ -2249,6 +2303,7 @@ static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__l
         /* cuBLASLt wants ld >= a row's length even for one row, whose ld is never applied
            (a decode step's query may have any row stride). */
         const int64_t ld = m[i]->rows > 1 ? m[i]->ld : m[i]->cols;
+        align[i] = uly__lt_align(m[i], ld, batch);
         st = uly__lt(cublasLtMatrixLayoutCreate(&l[i], m[i]->t, (uint64_t)m[i]->cols,
                                                 (uint64_t)m[i]->rows, ld),
                      "cublasLtMatrixLayoutCreate");
@@ -2260,9 +2315,10 @@ static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__l
                              l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &m[i]->stride,
                              sizeof m[i]->stride), "STRIDED_BATCH_OFFSET");
     }
+    if (!st.code) st = uly__lt_search(h, desc, l, align, &algo);
     if (!st.code)
         st = uly__lt(cublasLtMatmul(h, desc, &alpha, b.p, l[0], a.p, l[1], &beta, d.p, l[2],
-                                    (void *)d.p, l[2], NULL, ws, ULY__LT_WS, stream),
+                                    (void *)d.p, l[2], &algo, ws, ULY__LT_WS, stream),
                      "cublasLtMatmul");
     for (int i = 0; i < 3; i++)
         if (l[i]) cublasLtMatrixLayoutDestroy(l[i]);

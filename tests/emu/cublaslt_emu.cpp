@@ -9,8 +9,15 @@
 // Products are summed in double and rounded once to D's type, so its errors are smaller than the
 // real library's, never larger. Every other attribute, type, order or algorithm, and any layout
 // the documentation calls invalid (ld < rows, op(A) op(B) shapes that do not chain, batch counts
-// that differ), is refused with the status cuBLASLt documents, so the code under test cannot rely
-// on something this double does not check.
+// that differ, C == D with another descriptor), is refused with the status cuBLASLt documents,
+// so the code under test cannot rely on something this double does not check.
+//
+// Alignment, as the documentation puts it: the search (cublasLtMatmulAlgoGetHeuristic) only
+// returns kernels that work at the preference's MIN_ALIGNMENT_{A,B,C,D}_BYTES, 256 by default,
+// and so does cublasLtMatmul's implicit search when algo is NULL. The kernel this double
+// "returns" needs exactly those alignments of each matrix's address, leading dimension and
+// batch stride in bytes, and cublasLtMatmul refuses operands that lack them, as a real kernel
+// could fault on them; the workspace must be 256-byte aligned.
 //
 // What it does not model: tiling, workspace needs, device limits, or which layouts a given
 // GPU's kernels accept: those are test-gpu's, against the real library.
@@ -40,13 +47,52 @@ struct layout {
     int64_t ld, stride;
     int32_t batch;
 };
+// A search preference, and the kernel a search returns: the alignments it needs (A, B, C, D).
+struct pref {
+    uint64_t workspace;
+    uint32_t schemes;
+    uint32_t align[4];
+};
+struct kernel {
+    uint64_t tag;
+    uint32_t align[4];
+};
+const uint64_t kernel_tag = 0x756c79656d75ull;
 static_assert(sizeof(desc) <= sizeof(cublasLtMatmulDescOpaque_t), "desc fits its opaque");
 static_assert(sizeof(layout) <= sizeof(cublasLtMatrixLayoutOpaque_t), "layout fits its opaque");
+static_assert(sizeof(pref) <= sizeof(cublasLtMatmulPreferenceOpaque_t), "pref fits its opaque");
+static_assert(sizeof(kernel) <= sizeof(cublasLtMatmulAlgo_t), "kernel fits an algo");
 
 desc *body(cublasLtMatmulDesc_t d) { return reinterpret_cast<desc *>(d->data); }
 layout *body(cublasLtMatrixLayout_t l) { return reinterpret_cast<layout *>(l->data); }
+pref *body(cublasLtMatmulPreference_t p) { return reinterpret_cast<pref *>(p->data); }
 
 bool is_float(cudaDataType_t t) { return t == CUDA_R_16F || t == CUDA_R_16BF || t == CUDA_R_32F; }
+int64_t type_size(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
+
+// Whether a matrix's address, leading dimension and batch stride are multiples of `bytes`.
+bool aligned(const layout &l, const void *p, uint32_t bytes) {
+    const int64_t es = type_size(l.type);
+    return reinterpret_cast<uintptr_t>(p) % bytes == 0 && l.ld * es % bytes == 0 &&
+           (l.batch == 1 || l.stride * es % bytes == 0);
+}
+
+// The operation cublasLtMatmul and the search accept: types, shapes that chain, batches.
+cublasStatus_t valid(const desc &op, const layout &a, const layout &b, const layout &c,
+                     const layout &o) {
+    if (op.compute != CUBLAS_COMPUTE_32F || op.scale != CUDA_R_32F)
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (a.type != b.type || !is_float(a.type) || c.type != o.type ||
+        (o.type != a.type && o.type != CUDA_R_32F))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    const bool ta = op.op[0] == CUBLAS_OP_T, tb = op.op[1] == CUBLAS_OP_T;
+    const uint64_t m = o.rows, n = o.cols, k = ta ? a.rows : a.cols;
+    const bool chains = (ta ? a.cols : a.rows) == m && (tb ? b.rows : b.cols) == n &&
+                        (tb ? b.cols : b.rows) == k && c.rows == m && c.cols == n;
+    bool sane = chains && a.batch == o.batch && b.batch == o.batch && c.batch == o.batch;
+    for (const layout *l : {&a, &b, &c, &o}) sane = sane && l->ld >= (int64_t)l->rows;
+    return sane ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_INVALID_VALUE;
+}
 
 double load(cudaDataType_t t, const void *p, int64_t i) {
     if (t == CUDA_R_16BF) return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
@@ -98,6 +144,7 @@ const char *cublasLtGetStatusString(cublasStatus_t s) {
     case CUBLAS_STATUS_NOT_INITIALIZED: return "the library was not initialized";
     case CUBLAS_STATUS_INVALID_VALUE: return "an invalid numeric value was used as an argument";
     case CUBLAS_STATUS_NOT_SUPPORTED: return "the functionality requested is not supported";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "the GPU program failed to execute";
     default: return "an unknown cuBLASLt status";
     }
 }
@@ -150,29 +197,82 @@ cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
     return CUBLAS_STATUS_NOT_SUPPORTED;
 }
 
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
+    if (!p) return CUBLAS_STATUS_INVALID_VALUE;
+    *p = new cublasLtMatmulPreferenceOpaque_t();
+    new (body(*p)) pref{0, CUBLASLT_REDUCTION_SCHEME_MASK, {256, 256, 256, 256}};
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+    delete p;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t attr,
+                                                    const void *buf, size_t size) {
+    if (!p) return CUBLAS_STATUS_INVALID_VALUE;
+    pref &f = *body(p);
+    if (attr == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES)
+        return set(f.workspace, buf, size, [](uint64_t) { return true; });
+    if (attr == CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK)
+        return set(f.schemes, buf, size,
+                   [](uint32_t m) { return (m & ~uint32_t(CUBLASLT_REDUCTION_SCHEME_MASK)) == 0; });
+    if (attr >= CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES &&
+        attr <= CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES)
+        return set(f.align[attr - CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES], buf, size,
+                   [](uint32_t n) { return n != 0 && (n & (n - 1)) == 0; });
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+}
+
+// One kernel, needing the preference's alignments; its sums are exact, so it needs no split K
+// and no workspace, and any reduction-scheme mask admits it.
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t d,
+                                              cublasLtMatrixLayout_t Al, cublasLtMatrixLayout_t Bl,
+                                              cublasLtMatrixLayout_t Cl, cublasLtMatrixLayout_t Dl,
+                                              cublasLtMatmulPreference_t p, int requested,
+                                              cublasLtMatmulHeuristicResult_t results[],
+                                              int *count) {
+    if (!h || !h->live) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (!d || !Al || !Bl || !Cl || !Dl || !p || requested <= 0 || !results || !count)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    const cublasStatus_t ok = valid(*body(d), *body(Al), *body(Bl), *body(Cl), *body(Dl));
+    if (ok != CUBLAS_STATUS_SUCCESS) return ok;
+    results[0] = cublasLtMatmulHeuristicResult_t();
+    kernel k{kernel_tag, {0, 0, 0, 0}};
+    std::memcpy(k.align, body(p)->align, sizeof k.align);
+    std::memcpy(&results[0].algo, &k, sizeof k);
+    results[0].state = CUBLAS_STATUS_SUCCESS;
+    results[0].wavesCount = 1.f;
+    *count = 1;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
 cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const void *alpha,
                               const void *A, cublasLtMatrixLayout_t Al, const void *B,
                               cublasLtMatrixLayout_t Bl, const void *beta, const void *C,
                               cublasLtMatrixLayout_t Cl, void *D, cublasLtMatrixLayout_t Dl,
-                              const cublasLtMatmulAlgo_t *algo, void *, size_t, cudaStream_t) {
+                              const cublasLtMatmulAlgo_t *algo, void *ws, size_t,
+                              cudaStream_t) {
     if (!h || !h->live) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (!d || !alpha || !beta || !A || !B || !D || !Al || !Bl || !Cl || !Dl)
         return CUBLAS_STATUS_INVALID_VALUE;
     const desc &op = *body(d);
     const layout &a = *body(Al), &b = *body(Bl), &c = *body(Cl), &o = *body(Dl);
-    if (algo || op.compute != CUBLAS_COMPUTE_32F || op.scale != CUDA_R_32F)
-        return CUBLAS_STATUS_NOT_SUPPORTED;
-    if (a.type != b.type || !is_float(a.type) || c.type != o.type ||
-        (o.type != a.type && o.type != CUDA_R_32F))
-        return CUBLAS_STATUS_NOT_SUPPORTED;
+    const cublasStatus_t ok = valid(op, a, b, c, o);
+    if (ok != CUBLAS_STATUS_SUCCESS) return ok;
+    if ((!C && *static_cast<const float *>(beta) != 0.f) || (C == D && Cl != Dl) ||
+        reinterpret_cast<uintptr_t>(ws) % 256 != 0)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    kernel kern{kernel_tag, {256, 256, 256, 256}};  // algo NULL: the default preference's
+    if (algo) std::memcpy(&kern, algo, sizeof kern);
+    if (kern.tag != kernel_tag) return CUBLAS_STATUS_INVALID_VALUE;
+    if (!aligned(a, A, kern.align[0]) || !aligned(b, B, kern.align[1]) ||
+        (C && !aligned(c, C, kern.align[2])) || !aligned(o, D, kern.align[3]))
+        return CUBLAS_STATUS_EXECUTION_FAILED;  // a real kernel's misaligned access
     const bool ta = op.op[0] == CUBLAS_OP_T, tb = op.op[1] == CUBLAS_OP_T;
     const uint64_t m = o.rows, n = o.cols, k = ta ? a.rows : a.cols;
-    const bool chains = (ta ? a.cols : a.rows) == m && (tb ? b.rows : b.cols) == n &&
-                        (tb ? b.cols : b.rows) == k && c.rows == m && c.cols == n;
-    bool sane = chains && a.batch == o.batch && b.batch == o.batch && c.batch == o.batch;
-    for (const layout *l : {&a, &b, &c, &o}) sane = sane && l->ld >= (int64_t)l->rows;
-    if (!sane || (!C && *static_cast<const float *>(beta) != 0.f))
-        return CUBLAS_STATUS_INVALID_VALUE;
     const double al = *static_cast<const float *>(alpha), be = *static_cast<const float *>(beta);
     for (int64_t z = 0; z < o.batch; z++)
         for (int64_t j = 0; j < (int64_t)n; j++)
