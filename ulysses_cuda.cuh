@@ -124,19 +124,25 @@ ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, 
 ULYDEF uly_attn uly_cuda_reference_attention(void);
 
 #ifdef ULYSSES_NCCL
-/* An NCCL communicator over `comm` (one SP group, one GPU per rank). NCCL moves GPU memory
-   only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier go through `scratch`,
-   ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL: they return
-   ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most timeout_s
-   seconds (0: no limit). Given no stream, allreduce_sum (of either memory) and barrier use the
-   per-thread default one: the legacy
-   stream would also wait for every other blocking stream, another communicator's collectives
-   among them, which can tie two communicators into a deadlock. Failures return ULY_ECOMM with
-   NCCL's message. After any failure (a call NCCL refused, a peer or the network gone) or a
-   timeout the communicator is unusable and its peers may be stuck in the collective: the
-   caller, who owns it, must ncclCommAbort it (which also lets a stuck stream drain). Nothing
-   here aborts or destroys a communicator. comm must be blocking (NCCL's default config): a
-   non-blocking one's ncclInProgress is taken for a failure. */
+/* An NCCL communicator over `comm` (one SP group, one GPU per rank; NCCL 2.18 or newer).
+   NCCL moves GPU memory only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier
+   go through `scratch`, ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL:
+   they return ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most
+   timeout_s seconds (0: no limit). Given no stream, allreduce_sum (of either memory) and
+   barrier use the per-thread default one of the current device, which must be comm's: the
+   legacy stream would also wait for every other blocking stream, another communicator's
+   collectives among them, which can tie two communicators into a deadlock. Those waits mean
+   barrier, allreduce_sum and uly_loss_reduce never go inside the caller's
+   ncclGroupStart/ncclGroupEnd, where NCCL queues nothing until ncclGroupEnd.
+   Failures return ULY_ECOMM with NCCL's message. After any failure (a call NCCL refused, a peer
+   or the network gone) or a timeout the communicator is unusable and its peers may be stuck in
+   the collective: every live rank must ncclCommAbort it (NCCL requires all of them to; it also
+   lets a stuck stream drain). Nothing here aborts or destroys a communicator. The timeouts
+   bound waits for work NCCL has queued; a blocking NCCL call can itself hold the thread when a
+   peer never arrives (a split, or the first exchange with a peer, which connects to it), which
+   only NCCL's non-blocking communicators avoid. comm must be blocking (NCCL's default config):
+   a non-blocking one may return before its work is queued, on another thread's stream, and is
+   not supported. */
 enum { ULY_NCCL_SCRATCH = 64 };
 typedef struct uly_nccl {
     ncclComm_t comm;
@@ -145,13 +151,14 @@ typedef struct uly_nccl {
 } uly_nccl;
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
 /* Splits world into SP groups of sp_size consecutive ranks and DP groups across them (a
-   collective over world). On failure *sp and *dp hold what was made (NULL for the rest): the
+   collective over world, which must have no NCCL work outstanding). On failure *sp and *dp hold what was made (NULL for the rest): the
    caller aborts them with world, since peers may still be inside the failed split, where a
    destroy here could wait for them forever. */
 ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, ncclComm_t *dp);
 /* Waits until the work queued on stream is done, polling NCCL for an asynchronous error (a
    peer that died, a network failure). On such an error, or after timeout_s seconds (0: no
-   limit), it returns ULY_ECOMM: never a silent hang. Then comm is unusable; abort it. */
+   limit), it returns ULY_ECOMM: never a silent hang on queued work. Then comm is unusable;
+   every live rank must abort it. */
 ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s);
 #endif
 
@@ -1010,6 +1017,9 @@ ULYDEF uly_attn uly_cuda_reference_attention(void) {
 #ifdef ULYSSES_NCCL
 #include <time.h>
 
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
+#error "ULYSSES_NCCL needs NCCL 2.18 or newer (ncclCommSplit)"
+#endif
 #ifndef ULY_NCCL_ALLTOALL
 #define ULY_NCCL_ALLTOALL (NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0))
 #endif
@@ -1096,13 +1106,15 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
     if (!count || device) return uly__nccl_sum(n, buf, count, s);
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "allreduce_sum of host memory: uly_nccl.scratch is "
                "NULL (it needs %d doubles of device memory)", (int)ULY_NCCL_SCRATCH);
+    /* A copy of pageable memory waits for the stream before it starts, and a collective stuck
+       on a dead peer never lets it finish: wait here, where the timeout applies. */
+    ULY__TRY(uly_nccl_wait(n->comm, s, n->timeout_s));
     for (int64_t at = 0; at < count; at += ULY_NCCL_SCRATCH) {
         const size_t bytes = (size_t)uly__min(ULY_NCCL_SCRATCH, count - at) * sizeof(double);
         ULY__TRY(uly__cuda(cudaMemcpyAsync(n->scratch, buf + at, bytes, cudaMemcpyHostToDevice,
                                            s), "allreduce_sum"));
         ULY__TRY(uly__nccl_sum(n, n->scratch, (int64_t)(bytes / sizeof(double)), s));
-        /* Waited for before the copy back: a copy to pageable memory blocks the thread until
-           it is done, which a collective stuck on a dead peer never is. */
+        /* Likewise before the copy back. */
         ULY__TRY(uly_nccl_wait(n->comm, s, n->timeout_s));
         ULY__TRY(uly__cuda(cudaMemcpyAsync(buf + at, n->scratch, bytes, cudaMemcpyDeviceToHost,
                                            s), "allreduce_sum"));
@@ -1128,7 +1140,11 @@ ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
     ULY__TRY(uly__nccl(ncclCommUserRank(n->comm, &out->rank), n->comm, "ncclCommUserRank"));
     out->alltoallv = uly__nccl_alltoallv;
 #if ULY_NCCL_ALLTOALL
-    out->alltoall = uly__nccl_alltoall; /* else none: the layer uses alltoallv */
+    /* The library loaded, not the header: an older libnccl.so.2 has no ncclAlltoAll. Without
+       alltoall the layer uses alltoallv. */
+    int version = 0;
+    ULY__TRY(uly__nccl(ncclGetVersion(&version), n->comm, "ncclGetVersion"));
+    if (version >= NCCL_VERSION(2, 28, 0)) out->alltoall = uly__nccl_alltoall;
 #endif
     out->allreduce_sum = uly__nccl_allreduce;
     out->barrier = uly__nccl_barrier;
@@ -1169,8 +1185,8 @@ ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s)
             st = uly__err(ULY_ECOMM, "uly_nccl_wait: the stream is not done after %.1f s (a peer "
                           "may be gone)", waited);
         if (st.code)
-            return uly__err(ULY_ECOMM, "%s; the communicator is unusable: ncclCommAbort it",
-                            st.msg);
+            return uly__err(ULY_ECOMM, "%s; the communicator is unusable: ncclCommAbort it on "
+                            "every rank", st.msg);
         nanosleep(&nap, NULL);
     }
 }

@@ -97,20 +97,21 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     const int P = argc > 1 ? atoi(argv[1]) : world;
 
-    /* The GPU: this rank's index on its node. rank % ndev would give two ranks one GPU unless
-       every node holds ndev consecutive ranks. */
+    /* The GPU: this rank's index on its node, or the only one it sees (a launcher that binds
+       each rank to its GPU through CUDA_VISIBLE_DEVICES). rank % ndev would give two ranks one
+       GPU unless every node holds ndev consecutive ranks. */
     MPI_Comm node;
     MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
     MPI_Comm_rank(node, &local);
     MPI_Comm_size(node, &nlocal);
     MPI_Comm_free(&node);
     CUDA_OK(cudaGetDeviceCount(&ndev));
-    if (nlocal > ndev) {
+    if (ndev > 1 && nlocal > ndev) {
         fprintf(stderr, "rank %d: %d ranks on its node but %d GPUs: run one rank per GPU\n",
                 rank, nlocal, ndev);
         MPI_Abort(MPI_COMM_WORLD, 1);
     }
-    CUDA_OK(cudaSetDevice(local));
+    CUDA_OK(cudaSetDevice(ndev == 1 ? 0 : local));
 
     /* NCCL: rank 0 makes the id, MPI shares it; then SP and DP communicators. */
     ncclUniqueId id;

@@ -309,6 +309,8 @@ TEST(a_failing_ncclGroupEnd_is_ecomm_on_both_ranks) {
                     "rank 1 receives 3 bytes from rank 0, which sends 2");
 }
 
+static void comm_main(const uly_comm *c, void *user) { *(uly_comm *)user = *c; }
+
 #if ULY_NCCL_ALLTOALL
 /* alltoall: rank i sends 5 bytes to each rank j, block j of its buffer. */
 static uly_status exchange_uniform(const uly_comm *c, int64_t *wrong) {
@@ -349,9 +351,25 @@ TEST(alltoall_goes_through_ncclAlltoAll) {
               a, s, P);
     }
 }
-#else
-static void comm_main(const uly_comm *c, void *user) { *(uly_comm *)user = *c; }
 
+/* Built against NCCL 2.28 but run with an older library, which has no ncclAlltoAll: the
+   communicator offers no alltoall, and the layer's uniform exchanges go through
+   ncclSend/ncclRecv. */
+TEST(an_older_nccl_at_run_time_gives_no_alltoall) {
+    uly_emu_nccl_version(NCCL_VERSION(2, 27, 7));
+    uly_comm c;
+    memset(&c, 0xff, sizeof c);
+    uly_status st = nccl_run(1, comm_main, &c);
+    CHECK(!st.code, "%s", st.msg);
+    CHECK(c.alltoallv && !c.alltoall, "alltoallv %p, alltoall %p; want set, NULL",
+          (void *)c.alltoallv, (void *)c.alltoall);
+    const unsigned long long a0 = calls("ncclAlltoAll"), s0 = calls("ncclSend");
+    check_layer(&layer_cases[2], ULY_F32, nccl_run); /* every block of one size */
+    const unsigned long long a = calls("ncclAlltoAll") - a0, s = calls("ncclSend") - s0;
+    CHECK(a == 0 && s > 0, "%llu ncclAlltoAll, %llu ncclSend; want 0, > 0", a, s);
+    uly_emu_nccl_version(NCCL_VERSION_CODE);
+}
+#else
 TEST(without_ncclAlltoAll_the_communicator_has_no_alltoall) {
     uly_comm c;
     memset(&c, 0xff, sizeof c);

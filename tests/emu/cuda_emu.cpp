@@ -1487,6 +1487,23 @@ size_t smem_optin_now() { return smem_optin ? smem_optin.load() : kSmemPerBlock;
 }  // namespace
 
 void uly_emu_stall_stream(cudaStream_t s, bool stalled) { stall_flag(s) = stalled; }
+
+namespace {
+
+// A call that would wait for a stalled stream, which never drains: a hang on a GPU, so the
+// test ends here, loudly.
+void never_returns_if_stalled(cudaStream_t s, const char *what) {
+    if (!stall_flag(s)) return;
+    fprintf(stderr, "cuda_emu: %s waits for a stalled stream: it would never return\n", what);
+    abort();
+}
+
+bool pageable(const void *p) {
+    cudaPointerAttributes a;
+    return cudaPointerGetAttributes(&a, p) == cudaSuccess && a.type == cudaMemoryTypeUnregistered;
+}
+
+}  // namespace
 void uly_emu_set_smem_optin(size_t bytes) { smem_optin = bytes; }
 
 cudaError_t cudaMalloc(void **p, size_t size) {
@@ -1526,9 +1543,13 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind)
     return pending();
 }
 
+// A copy from or to pageable host memory waits for the stream first (the CUDA runtime's "API
+// synchronization behavior").
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind,
                             cudaStream_t s) {
     uly_emu_record_op("cudaMemcpyAsync", s);
+    if (count && (pageable(src) || pageable(dst)))
+        never_returns_if_stalled(s, "cudaMemcpyAsync of pageable memory");
     if (count) memmove(dst, src, count);
     return pending();
 }
@@ -1579,7 +1600,10 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return cudaSuccess;
 }
 
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return pending(); }
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    never_returns_if_stalled(s, "cudaStreamSynchronize");
+    return pending();
+}
 cudaError_t cudaStreamQuery(cudaStream_t s) {
     return stall_flag(s) ? cudaErrorNotReady : pending();
 }

@@ -13,6 +13,7 @@
 //   ncclCommGetAsyncError               and a communicator with an error refuses new work
 //   ncclGetErrorString, ncclGetLastError   NCCL's strings; the last error is per thread (NCCL's
 //                                       is per process, and a thread here is a process)
+//   ncclGetVersion                      the header's version, or the one a test sets
 //   ncclGroupStart, ncclGroupEnd        per thread, nested; the outermost end runs the group;
 //                                       a call that failed inside drops the whole group
 //   ncclSend, ncclRecv                  matched in call order per (sender, receiver) pair
@@ -45,6 +46,7 @@
 #include "nccl_emu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdarg>
@@ -475,6 +477,17 @@ const char *ncclGetErrorString(ncclResult_t r) {
 
 // NCCL documents comm as unused.
 const char *ncclGetLastError(ncclComm_t) { return last_error.c_str(); }
+
+// The library's version, which a test may set below the header's (an older libnccl.so.2).
+static std::atomic<int> lib_version{NCCL_VERSION_CODE};
+
+ncclResult_t ncclGetVersion(int *v) {
+    if (!v) return error(ncclInvalidArgument, "ncclGetVersion: version is NULL");
+    *v = lib_version;
+    return ncclSuccess;
+}
+
+void uly_emu_nccl_version(int code) { lib_version = code; }
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     tally("ncclGetUniqueId");

@@ -16,6 +16,9 @@ void uly_emu_nccl_async_error(ncclComm_t comm, ncclResult_t r, const char *msg);
 // may ask about an aborted one; any NCCL call on it aborts the test instead.
 bool uly_emu_nccl_aborted(ncclComm_t comm);
 
+// From now on ncclGetVersion reports code (NCCL_VERSION(major, minor, patch)).
+void uly_emu_nccl_version(int code);
+
 // How many times any thread called `call` since the process started.
 unsigned long long uly_emu_nccl_calls(const char *call);
 
