@@ -1964,14 +1964,16 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
 /* ---------------------------------------------------------------------------------------------
    Launchers */
 
-static int64_t uly__fa_align(int64_t n) { return (n + 255) & ~(int64_t)255; }
-
 /* Dsum (fp32, one per query row and head), then the fp32 dQ accumulator unless deterministic.
    A varlen batch is one sequence of total_q rows, so the same count serves both. */
+static int64_t uly__fa_dsum_bytes(const uly_attn_args *a) {
+    return uly__align(uly__mul(uly__mul(uly__mul(a->q.b, a->q.h), a->q.s), 4));
+}
 static int64_t uly__fa_workspace(void *ctx, const uly_attn_args *a) {
     (void)ctx;
-    const int64_t rows = a->q.b * a->q.h * a->q.s;
-    return uly__fa_align(rows * 4) + (a->deterministic ? 0 : uly__fa_align(rows * a->q.d * 4));
+    const int64_t rows = uly__mul(uly__mul(a->q.b, a->q.h), a->q.s);
+    return uly__add(uly__fa_dsum_bytes(a),
+                    a->deterministic ? 0 : uly__align(uly__mul(uly__mul(rows, a->q.d), 4)));
 }
 
 /* The flash kernels and the backward pre- and post-passes move 16-byte chunks of rows. The
@@ -2038,7 +2040,7 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     if (backward) {
         p->dsum = (float *)a->workspace;
         if (!a->deterministic)
-            p->dq_acc = (float *)((char *)a->workspace + uly__fa_align(a->q.b * a->q.h * a->q.s * 4));
+            p->dq_acc = (float *)((char *)a->workspace + uly__fa_dsum_bytes(a));
     }
     return uly__ok();
 }
@@ -2186,18 +2188,19 @@ ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v) {
 
 #ifdef ULYSSES_CUBLASLT
 
-/* Row r of a [rows, sk] score block: query row r % sq of the block's head r / sq. */
+/* Score blocks are [rows, sk] with rows ld apart (uly__lt_ld): row r is query row r % sq of the
+   block's head r / sq. */
 
 /* Forward softmax, one warp per row: p = exp(scale * s - lse) in T (0 where masked), and lse
    unless NULL (the backward recomputes P). */
 template <typename T>
 __global__ void __launch_bounds__(128)
     uly__lt_softmax(const float *s, T *p, float *lse, int64_t lse_sh, int rows, int sq, int sk,
-                    float scale, int causal) {
+                    int64_t ld, float scale, int causal) {
     const int r = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
     if (r >= rows) return;
     const int i = r % sq, keep = causal ? min(sk, i + sk - sq + 1) : sk;
-    const float *row = s + (int64_t)r * sk;
+    const float *row = s + r * ld;
     float mx = -INFINITY, sum = 0.f;
     for (int j = lane; j < keep; j += 32) mx = fmaxf(mx, row[j] * scale);
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -2205,18 +2208,18 @@ __global__ void __launch_bounds__(128)
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     const float l = sum > 0.f ? mx + logf(sum) : INFINITY;
     for (int j = lane; j < sk; j += 32)
-        p[(int64_t)r * sk + j] = (T)(j < keep ? expf(row[j] * scale - l) : 0.f);
+        p[r * ld + j] = (T)(j < keep ? expf(row[j] * scale - l) : 0.f);
     if (lane == 0 && lse) lse[r / sq * lse_sh + i] = l;
 }
 
-/* Backward softmax, elementwise: ds = scale * p * (dp - Dsum) in T. */
+/* Backward softmax, elementwise over n = rows * sk: ds = scale * p * (dp - Dsum) in T. */
 template <typename T>
 __global__ void __launch_bounds__(256)
     uly__lt_softmax_grad(const T *p, const float *dp, const float *dsum, int64_t dsum_sh, T *ds,
-                         int64_t n, int sq, int sk, float scale) {
+                         int64_t n, int sq, int sk, int64_t ld, float scale) {
     for (int64_t e = blockIdx.x * 256 + threadIdx.x; e < n; e += (int64_t)gridDim.x * 256) {
-        const int64_t r = e / sk;
-        ds[e] = (T)(scale * (float)p[e] * (dp[e] - dsum[r / sq * dsum_sh + r % sq]));
+        const int64_t r = e / sk, at = r * ld + e % sk;
+        ds[at] = (T)(scale * (float)p[at] * (dp[at] - dsum[r / sq * dsum_sh + r % sq]));
     }
 }
 
@@ -2354,31 +2357,43 @@ struct uly__lt_ws {
 /* The most query heads of one kv head here: the rows of a score block are this times Sq. */
 static int64_t uly__lt_group(const uly_attn_args *a) { return min(uly__group(a), a->q.h); }
 
+/* A score row's stride: Sk rounded up to 8 elements, so that every row of S (fp32), P and dS
+   (16-bit) starts 16-byte aligned, as cuBLASLt's tensor-core kernels need. */
+static int64_t uly__lt_ld(const uly_attn_args *a) { return (a->k.s + 7) & ~(int64_t)7; }
+
+/* The workspace's parts in bytes, in uly__lt_ws's order, each to start 256-byte aligned: S, P,
+   dS, Dsum, dK, dV, cuBLASLt's. -1 for a part whose size overflows int64. */
+enum { ULY__LT_PARTS = 7 };
+static void uly__lt_parts(const uly_attn_args *a, int64_t (&n)[ULY__LT_PARTS]) {
+    const int64_t blk = uly__mul(uly__mul(uly__lt_group(a), a->q.s), uly__lt_ld(a));
+    const int64_t kd = uly__mul(uly__mul(a->k.s, a->q.d), 4);
+    const int64_t rows = uly__mul(uly__mul(a->q.b, a->q.h), a->q.s);
+    const int64_t part[ULY__LT_PARTS] = {uly__mul(blk, 4), uly__mul(blk, 2), uly__mul(blk, 2),
+                                         uly__mul(rows, 4), kd, kd, ULY__LT_WS};
+    for (int i = 0; i < ULY__LT_PARTS; i++) n[i] = uly__align(part[i]);
+}
+
 static int64_t uly__lt_workspace(void *ctx, const uly_attn_args *a) {
     (void)ctx;
-    const int64_t blk = uly__lt_group(a) * a->q.s * a->k.s;
-    return uly__fa_align(blk * 4) + 2 * uly__fa_align(blk * 2) +
-           uly__fa_align(a->q.b * a->q.h * a->q.s * 4) + 2 * uly__fa_align(a->k.s * a->q.d * 4) +
-           ULY__LT_WS;
+    int64_t n[ULY__LT_PARTS], sum = 0;
+    uly__lt_parts(a, n);
+    for (int i = 0; i < ULY__LT_PARTS; i++) sum = uly__add(sum, n[i]);
+    return sum;
 }
 
 static uly__lt_ws uly__lt_carve(const uly_attn_args *a) {
-    const int64_t blk = uly__lt_group(a) * a->q.s * a->k.s;
-    char *w = (char *)a->workspace;
+    int64_t n[ULY__LT_PARTS];
+    char *at[ULY__LT_PARTS], *w = (char *)a->workspace;
+    uly__lt_parts(a, n);
+    for (int i = 0; i < ULY__LT_PARTS; i++) at[i] = w, w += n[i];
     uly__lt_ws r;
-    r.s = (float *)w, w += uly__fa_align(blk * 4);
-    r.p = w, w += uly__fa_align(blk * 2);
-    r.ds = w, w += uly__fa_align(blk * 2);
-    r.dsum = (float *)w, w += uly__fa_align(a->q.b * a->q.h * a->q.s * 4);
-    r.dk = (float *)w, w += uly__fa_align(a->k.s * a->q.d * 4);
-    r.dv = (float *)w, w += uly__fa_align(a->k.s * a->q.d * 4);
-    r.lt = w;
+    r.s = (float *)at[0], r.p = at[1], r.ds = at[2], r.dsum = (float *)at[3];
+    r.dk = (float *)at[4], r.dv = (float *)at[5], r.lt = at[6];
     return r;
 }
 
 /* The contract, and what the GEMMs and the Dsum pre-pass (the flash one) add to it. */
 static uly_status uly__lt_check(void *ctx, const uly_attn_args *a, int backward) {
-    (void)ctx;
     ULY__TRY(uly_attn_check(a, backward));
     ULY__CHECK(a->q.dtype == ULY_BF16 || a->q.dtype == ULY_F16, ULY_EUNSUPPORTED,
                "dtype %s: the cuBLASLt attention takes bf16 or fp16", uly__dtype_name(a->q.dtype));
@@ -2387,6 +2402,8 @@ static uly_status uly__lt_check(void *ctx, const uly_attn_args *a, int backward)
     ULY__CHECK(a->workspace && (uintptr_t)a->workspace % 256 == 0, ULY_EINVAL,
                "workspace is NULL or not 256-byte aligned, as cudaMalloc's are (workspace() "
                "gives its bytes)");
+    ULY__CHECK(uly__lt_workspace(ctx, a) > 0, ULY_EOVERFLOW, "the workspace's bytes overflow "
+               "int64 (%lld x %lld scores per query head)", ULY__LL(a->q.s), ULY__LL(a->k.s));
     ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED, "q.b (%lld), q.h (%lld): at "
                "most 65535 each (the grid of the Dsum pass)", ULY__LL(a->q.b), ULY__LL(a->q.h));
     ULY__CHECK(uly__mul(uly__lt_group(a), a->q.s) <= INT_MAX && a->k.s <= INT_MAX,
@@ -2406,7 +2423,7 @@ static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int ba
     ULY__TRY(uly__lt_check(h, a, backward));
     const cudaDataType_t dt = a->q.dtype == ULY_BF16 ? CUDA_R_16BF : CUDA_R_16F;
     const int64_t B = a->q.b, H = a->q.h, Sq = a->q.s, Sk = a->k.s, D = a->q.d;
-    const int64_t g = uly__group(a), g0 = a->q_head0 / g;
+    const int64_t g = uly__group(a), g0 = a->q_head0 / g, ld = uly__lt_ld(a);
     const float scale = uly__scale(a);
     cudaStream_t stream = (cudaStream_t)a->stream;
     const uly__lt_ws w = uly__lt_carve(a);
@@ -2442,12 +2459,12 @@ static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int ba
             const int64_t lse0 = (b * H + h0) * Sq;
             const uly__lt_mat Q = {q, dt, Sq, D, a->q.ss, a->q.sh}, K = {k, dt, Sk, D, a->k.ss, 0};
             const uly__lt_mat V = {v, dt, Sk, D, a->v.ss, 0};
-            const uly__lt_mat S = {w.s, CUDA_R_32F, Sq, Sk, Sk, Sq * Sk};
-            const uly__lt_mat P = {w.p, dt, Sq, Sk, Sk, Sq * Sk};
+            const uly__lt_mat S = {w.s, CUDA_R_32F, Sq, Sk, ld, Sq * ld};
+            const uly__lt_mat P = {w.p, dt, Sq, Sk, ld, Sq * ld};
             ULY__TRY(uly__lt_gemm(h, Q, 0, K, 1, S, 1.f, 0.f, (int)n, w.lt, stream)); /* S = Q K^T */
             ULY_LAUNCH(uly__lt_softmax<T>, dim3(uly__fa_cdiv(rows, 4)), dim3(128), 0, stream, w.s,
                        (T *)w.p, backward ? NULL : a->lse + lse0, Sq, rows, (int)Sq,
-                       (int)Sk, scale, a->causal);
+                       (int)Sk, ld, scale, a->causal);
             ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax"));
             if (!backward) { /* O = P V */
                 T *o = (T *)a->o.data + b * a->o.sb + h0 * a->o.sh;
@@ -2459,17 +2476,17 @@ static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int ba
             T *dq = (T *)a->dq.data + b * a->dq.sb + h0 * a->dq.sh;
             const uly__lt_mat dO = {dout, dt, Sq, D, a->dout.ss, a->dout.sh};
             const uly__lt_mat dQ = {dq, dt, Sq, D, a->dq.ss, a->dq.sh};
-            const uly__lt_mat dS = {w.ds, dt, Sq, Sk, Sk, Sq * Sk};
+            const uly__lt_mat dS = {w.ds, dt, Sq, Sk, ld, Sq * ld};
             ULY__TRY(uly__lt_gemm(h, dO, 0, V, 1, S, 1.f, 0.f, (int)n, w.lt, stream)); /* dP */
             ULY_LAUNCH(uly__lt_softmax_grad<T>, dim3(uly__lt_blocks(rows * Sk, 256)), dim3(256), 0,
                        stream, (const T *)w.p, w.s, w.dsum + lse0, Sq, (T *)w.ds, rows * Sk,
-                       (int)Sq, (int)Sk, scale);
+                       (int)Sq, (int)Sk, ld, scale);
             ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax_grad"));
             ULY__TRY(uly__lt_gemm(h, dS, 0, K, 0, dQ, 1.f, 0.f, (int)n, w.lt, stream)); /* dQ */
             const uly__lt_mat dK = {w.dk, CUDA_R_32F, Sk, D, D, 0}, dV = {w.dv, CUDA_R_32F, Sk, D, D, 0};
             for (int64_t i = 0; i < n; i++) { /* dK, dV summed over the group, in order */
-                const uly__lt_mat dSi = {(const T *)w.ds + i * Sq * Sk, dt, Sq, Sk, Sk, 0};
-                const uly__lt_mat Pi = {(const T *)w.p + i * Sq * Sk, dt, Sq, Sk, Sk, 0};
+                const uly__lt_mat dSi = {(const T *)w.ds + i * Sq * ld, dt, Sq, Sk, ld, 0};
+                const uly__lt_mat Pi = {(const T *)w.p + i * Sq * ld, dt, Sq, Sk, ld, 0};
                 const uly__lt_mat Qi = {q + i * a->q.sh, dt, Sq, D, a->q.ss, 0};
                 const uly__lt_mat dOi = {dout + i * a->dout.sh, dt, Sq, D, a->dout.ss, 0};
                 ULY__TRY(uly__lt_gemm(h, dSi, 1, Qi, 0, dK, 1.f, i ? 1.f : 0.f, 1, w.lt, stream));

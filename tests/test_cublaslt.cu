@@ -24,6 +24,9 @@
 #include "../ulysses_cuda.cuh"
 #include "check.h"
 #include "flash_case.h"
+#ifdef ULY_EMU
+#include "emu/cublaslt_emu.h"
+#endif
 
 static cublasLtHandle_t lt_handle(void) {
     static cublasLtHandle_t h;
@@ -134,6 +137,24 @@ TEST(cublaslt_kv_head_that_no_query_head_reads_gets_zero_gradients) {
     CHECK(nonzero == 0, "%d dK, dV values of kv head 1 are not 0", nonzero);
 }
 
+#ifdef ULY_EMU
+/* Score rows of any length start 16-byte aligned (uly__lt_ld), so that cuBLASLt may take its
+   tensor-core kernels: with dense q, k, v, o and gradients, whose rows are 16-byte chunks, no
+   search asks for less, at Sk = 77 as at 64. */
+TEST(cublaslt_score_rows_keep_tensor_core_alignment) {
+    for (int64_t sk : {77, 64}) {
+        const fcase c = make_case({1, 33, sk, 4, 2, 1}, 64, ULY_BF16);
+        const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+        const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
+        uly_emu_cublaslt_least_alignment();
+        const run_out lt = run_attn(c, cq, ck, false, in, uly_cublaslt_attention(lt_handle()));
+        const uint32_t least = uly_emu_cublaslt_least_alignment();
+        CHECK(lt.ok && least >= 16, "Sk = %lld: the least alignment searched for is %u bytes",
+              (long long)sk, least);
+    }
+}
+#endif
+
 TEST(cublaslt_other_head_dims) {
     for (int64_t D : {8, 96, 256}) {
         const fcase c = make_case({2, 129, 77, 4, 2, 1}, D, ULY_BF16);
@@ -185,6 +206,15 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
     st = lt.bwd(lt.ctx, &a);
     CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "dout: rows move in 16-byte chunks"),
           "dout rows 12 elements apart: '%s'", st.msg);
+    /* 2^31 - 1 queries and keys: each GEMM's dims fit an int, but the fp32 scores of one head,
+       about 2^64 bytes, do not fit the int64 workspace size (views, never read). */
+    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, INT_MAX, 1, 8);
+    a.k = a.v = a.dk = a.dv = a.q;
+    st = lt.fwd(lt.ctx, &a);
+    CHECK(st.code == ULY_EOVERFLOW && strstr(st.msg, "workspace's bytes overflow"), "'%s'",
+          st.msg);
+    CHECK(uly__lt_workspace(lt.ctx, &a) < 0, "workspace() of those: %lld",
+          (long long)uly__lt_workspace(lt.ctx, &a));
 }
 
 #ifdef ULY_EMU

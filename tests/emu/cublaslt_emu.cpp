@@ -25,6 +25,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "cublaslt_emu.h"
+
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <new>
@@ -226,6 +230,12 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
     return CUBLAS_STATUS_NOT_SUPPORTED;
 }
 
+namespace {
+std::atomic<uint32_t> least_alignment{256};  // uly_emu_cublaslt_least_alignment
+}  // namespace
+
+uint32_t uly_emu_cublaslt_least_alignment() { return least_alignment.exchange(256); }
+
 // One kernel, needing the preference's alignments; its sums are exact, so it needs no split K
 // and no workspace, and any reduction-scheme mask admits it.
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t d,
@@ -242,6 +252,9 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
     results[0] = cublasLtMatmulHeuristicResult_t();
     kernel k{kernel_tag, {0, 0, 0, 0}};
     std::memcpy(k.align, body(p)->align, sizeof k.align);
+    for (uint32_t a : k.align)
+        for (uint32_t least = least_alignment; a < least;)
+            if (least_alignment.compare_exchange_weak(least, a)) break;
     std::memcpy(&results[0].algo, &k, sizeof k);
     results[0].state = CUBLAS_STATUS_SUCCESS;
     results[0].wavesCount = 1.f;
