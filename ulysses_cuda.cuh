@@ -696,6 +696,14 @@ ULYDEF uly_layout uly_cuda_layout(void) {
    The events belong to the world and outlive every rank: a slow rank may still wait on the
    events of a peer that has already returned. */
 
+/* Since CUDA 11 plain host memory is an answer (cudaMemoryTypeUnregistered), not an error. */
+static uly_status uly__on_device(const void *p, int *device) {
+    cudaPointerAttributes a;
+    ULY__TRY(uly__cuda(cudaPointerGetAttributes(&a, p), "allreduce_sum: cudaPointerGetAttributes"));
+    *device = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+    return uly__ok();
+}
+
 typedef struct uly__dl_world {
     void (*fn)(const uly_comm *comm, void *user);
     void *user;
@@ -732,7 +740,8 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
     uly_status st =
         uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs);
     const int r = me->host->rank;
-    cudaError_t e = cudaEventRecord(me->w->ready[r], s);
+    const cudaError_t ready = cudaEventRecord(me->w->ready[r], s);
+    cudaError_t e = ready;
     /* Without its ready event, a peer's copy would not wait for this rank's stream: a rank that
        has bad counts or no event offers nothing (-1 bytes, which no receiver expects). */
     for (int j = 0; j < P; j++) {
@@ -748,12 +757,18 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
             e = cudaMemcpyAsync((char *)recv + recv_offs[i], in[i].src, (size_t)in[i].bytes,
                                 cudaMemcpyDeviceToDevice, s);
     }
-    if (!e) e = cudaEventRecord(me->w->done[r], s);
+    /* done follows whatever this rank queued, failed or not: peers order what they queue next
+       (a write over their send buffers, a free) after it. */
+    const cudaError_t done = ready ? ready : cudaEventRecord(me->w->done[r], s);
+    if (!e) e = done;
     /* Meet, and learn whether any rank failed: one whose done event is missing may still be
        reading its peers' send buffers, so none of them may report success. */
     double failed = st.code != 0 || e != cudaSuccess;
     uly_status met = me->host->allreduce_sum(me->host->ctx, &failed, 1, NULL);
-    for (int i = 0; i < P && !e; i++) e = cudaStreamWaitEvent(s, me->w->done[i], 0);
+    for (int i = 0; i < P; i++) {
+        const cudaError_t w = cudaStreamWaitEvent(s, me->w->done[i], 0);
+        if (!e) e = w;
+    }
     ULY__TRY(st);
     ULY__TRY(uly__cuda(e, "device-local alltoallv"));
     ULY__TRY(met);
@@ -762,13 +777,18 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
     return uly__ok();
 }
 
-/* Through the host, a few values at a time: sums are the host comm's, in rank order. */
+/* Through the host, a few values at a time: sums are the host comm's, in rank order. Host
+   memory goes to it directly; device memory through a copy on the stream or, given none, on
+   the per-thread default one (as NCCL's: the legacy stream would wait for every rank's work). */
 static uly_status uly__dl_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
     uly__dl_rank *me = (uly__dl_rank *)ctx;
-    cudaStream_t s = (cudaStream_t)stream;
+    cudaStream_t s = stream ? (cudaStream_t)stream : cudaStreamPerThread;
     double tmp[64];
     ULY__CHECK(n >= 0 && (buf || !n), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 and buf "
                "not NULL", ULY__LL(n));
+    int device = 0;
+    if (n) ULY__TRY(uly__on_device(buf, &device));
+    if (!device) return me->host->allreduce_sum(me->host->ctx, buf, n, NULL);
     for (int64_t at = 0; at < n; at += 64) {
         const size_t bytes = (size_t)uly__min(64, n - at) * sizeof(double);
         cudaError_t e = cudaMemcpyAsync(tmp, buf + at, bytes, cudaMemcpyDefault, s);
@@ -1079,14 +1099,6 @@ static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, in
     return uly__nccl_async(n->comm, "alltoall");
 }
 #endif
-
-/* Since CUDA 11 plain host memory is an answer (cudaMemoryTypeUnregistered), not an error. */
-static uly_status uly__on_device(const void *p, int *device) {
-    cudaPointerAttributes a;
-    ULY__TRY(uly__cuda(cudaPointerGetAttributes(&a, p), "allreduce_sum: cudaPointerGetAttributes"));
-    *device = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
-    return uly__ok();
-}
 
 static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStream_t s) {
     ULY__TRY(uly__nccl(ncclAllReduce(dev, dev, (size_t)count, ncclFloat64, ncclSum, n->comm, s),

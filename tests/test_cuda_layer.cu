@@ -28,7 +28,8 @@
      layer's uly_forward and uly_backward queue everything on the caller's stream and allocate
      nothing.
    - The device-local communicator on its own: bytes land where the counts say, allreduce sums
-     host or device memory, and mismatched counts are an error on every rank, not a hang.
+     host memory (queuing nothing) or device memory (given no stream, on the per-thread one),
+     and mismatched counts are an error on every rank, not a hang.
    - Bad input to the layer is a named error.
    Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu). */
 #include "emu/cuda_emu.h"
@@ -474,9 +475,25 @@ TEST(layer_allocates_nothing) {
 typedef struct comm_job {
     int mismatch;        /* rank 1 expects one byte too many from rank 0 */
     uly_status st[4], sum[4];
-    double got[4][3];    /* allreduce results: host memory, then device memory */
+    double got[4][4];    /* allreduce results: host memory, then device memory twice */
+    int64_t queued[4];   /* ops the host-memory allreduce queued; those of the device-memory one
+                            without a stream that went elsewhere than the per-thread stream */
     int64_t wrong[4];    /* received bytes that are not what the sender wrote */
 } comm_job;
+
+/* The stream operations this thread queued since the last call, less those on *except (NULL:
+   all count); 0 on a GPU, where nothing records them. */
+static int64_t queued_since(const cudaStream_t *except) {
+#ifdef ULY_EMU
+    int64_t n = 0;
+    for (const uly_emu_op &op : uly_emu_recorded_ops()) n += !except || op.stream != *except;
+    uly_emu_record_reset();
+    return n;
+#else
+    (void)except;
+    return 0;
+#endif
+}
 
 static void comm_main(const uly_comm *c, void *user) {
     comm_job *j = (comm_job *)user;
@@ -500,14 +517,23 @@ static void comm_main(const uly_comm *c, void *user) {
     for (int q = 0; q < P && !j->mismatch; q++)
         for (int64_t b = 0; b < rc[q]; b++) j->wrong[r] += host[ro[q] + b] != 16 * q + r;
 
+    /* Host memory needs no stream; device memory, given none, takes the per-thread one. */
     double h[2] = {1.0 + r, 0.5}, *dev;
-    j->sum[r] = c->allreduce_sum(c->ctx, h, 2, s);
+    const cudaStream_t per_thread = cudaStreamPerThread;
+    queued_since(NULL);
+    j->sum[r] = c->allreduce_sum(c->ctx, h, 2, NULL);
+    j->queued[r] = queued_since(NULL);
     cudaMalloc((void **)&dev, sizeof(double));
     double x = 10.0 * r;
     cudaMemcpy(dev, &x, sizeof x, cudaMemcpyHostToDevice);
     if (!j->sum[r].code) j->sum[r] = c->allreduce_sum(c->ctx, dev, 1, s);
     cudaMemcpy(&x, dev, sizeof x, cudaMemcpyDeviceToHost);
     j->got[r][0] = h[0], j->got[r][1] = h[1], j->got[r][2] = x;
+    queued_since(NULL);
+    if (!j->sum[r].code) j->sum[r] = c->allreduce_sum(c->ctx, dev, 1, NULL);
+    j->queued[r] += queued_since(&per_thread);
+    cudaMemcpy(&x, dev, sizeof x, cudaMemcpyDeviceToHost);
+    j->got[r][3] = x;
     cudaFree(dev), cudaFree(send), cudaFree(recv);
     cudaStreamDestroy(s);
 }
@@ -520,9 +546,11 @@ TEST(device_local_alltoallv_and_allreduce) {
     for (int r = 0; r < 4; r++) {
         CHECK(!j.st[r].code && !j.wrong[r], "rank %d: '%s', %lld wrong bytes", r, j.st[r].msg,
               (long long)j.wrong[r]);
-        CHECK(!j.sum[r].code && j.got[r][0] == 10 && j.got[r][1] == 2 && j.got[r][2] == 60,
-              "rank %d: '%s', sums %g %g %g, want 10 2 60", r, j.sum[r].msg, j.got[r][0],
-              j.got[r][1], j.got[r][2]);
+        CHECK(!j.sum[r].code && j.got[r][0] == 10 && j.got[r][1] == 2 && j.got[r][2] == 60 &&
+                  j.got[r][3] == 240 && j.queued[r] == 0,
+              "rank %d: '%s', sums %g %g %g %g, want 10 2 60 240; %lld ops queued off the "
+              "per-thread stream", r, j.sum[r].msg, j.got[r][0], j.got[r][1], j.got[r][2],
+              j.got[r][3], (long long)j.queued[r]);
     }
 }
 

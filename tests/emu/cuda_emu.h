@@ -98,8 +98,9 @@ void uly_emu_set_quiet(bool quiet);
 
 // Test hook: while stalled, cudaStreamQuery(s) answers cudaErrorNotReady, as for a stream whose
 // collective waits on a dead peer, and what would wait for the stream (cudaStreamSynchronize, a
-// copy of pageable memory) aborts the test, where a GPU would hang. Stream 0 stands for the calling host
-// thread's default stream (each rank thread of tests/emu/nccl_emu.cpp models its own GPU).
+// copy of pageable memory) aborts the test, where a GPU would hang. Stream 0 stands for the
+// calling host thread's default stream (each rank thread of tests/emu/nccl_emu.cpp models its
+// own GPU).
 void uly_emu_stall_stream(cudaStream_t s, bool stalled);
 
 // Test hook: the opt-in shared memory per block the device reports and cudaFuncSetAttribute
