@@ -7,7 +7,11 @@
    rank 0 is through it, with the other ranks' share of that phase running alongside; the
    exchange includes waiting for the slowest peer. With B = 1 the query side needs no unpack
    and the output side no pack (the driver sends and receives in place). Medians of 7 runs after
-   a warm-up. Prints a table on stdout.
+   3 warm-up runs. Prints a table on stdout.
+   The shares outside attention are upper bounds: rank 0 drains its stream after each pass, so
+   the first pack includes its launch, and each exchange meets the other ranks' threads on the
+   host, so time the GPU spends waiting for the host counts as exchange time. The peers' last
+   unpack of a pass runs after rank 0's last mark.
    One GPU plays four: attention does four ranks' work on it while the exchange is a copy in its
    memory, so the shares are not those of four GPUs, where attention is about 4x faster and the
    exchange crosses NVLink. For those, take one rank's attention time (a quarter of this one's)
@@ -17,7 +21,7 @@
 #include "../ulysses_cuda.cuh"
 #include "bench_cuda.h"
 
-enum { P = 4, H = 32, HKV = 8, D = 128, RUNS = 7, MARKS = 64 };
+enum { P = 4, H = 32, HKV = 8, D = 128, WARMUP = 3, RUNS = 7, MARKS = 64 };
 static const char *const phases[] = {"pack", "exchange", "attention", "unpack"};
 
 /* Events at the phase hooks of one pass (forward or backward) on rank 0's stream. */
@@ -85,12 +89,12 @@ static void rank_main(const uly_comm *comm, void *user) {
     CUDA_OK(cudaMalloc(&L.workspace, (size_t)L.workspace_bytes));
     CUDA_OK(cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan)));
 
-    for (int run = 0; run <= RUNS; run++) {
+    for (int run = -WARMUP; run < RUNS; run++) {
         bench_ok(uly_forward(&L, q, k, v, out, saved), "uly_forward");
-        if (comm->rank == 0 && run) add_up(&t, b->fwd[run - 1]);
+        if (comm->rank == 0 && run >= 0) add_up(&t, b->fwd[run]);
         t.n = 0;
         bench_ok(uly_backward(&L, dout, saved, dq, dk, dv), "uly_backward");
-        if (comm->rank == 0 && run) add_up(&t, b->bwd[run - 1]);
+        if (comm->rank == 0 && run >= 0) add_up(&t, b->bwd[run]);
         t.n = 0;
     }
     CUDA_OK(cudaStreamSynchronize(s));

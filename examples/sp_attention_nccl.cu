@@ -64,17 +64,18 @@ static __nv_bfloat16 *to_gpu(const __nv_bfloat16 *x, int64_t n) {
 }
 
 static float *to_host(const uly_tensor *t) { /* a [b, s, h, d] view, densely, in float */
-    float *x = (float *)malloc((size_t)(t->b * t->s * t->h * t->d) * sizeof(float));
-    __nv_bfloat16 *row = (__nv_bfloat16 *)malloc((size_t)t->d * 2);
+    const int64_t hd = t->h * t->d;
+    float *x = (float *)malloc((size_t)(t->b * t->s * hd) * sizeof(float));
+    __nv_bfloat16 *token = (__nv_bfloat16 *)malloc((size_t)hd * 2);
     for (int64_t b = 0, i = 0; b < t->b; b++)
-        for (int64_t s = 0; s < t->s; s++)
-            for (int64_t h = 0; h < t->h; h++, i += t->d) {
-                const __nv_bfloat16 *src =
-                    (const __nv_bfloat16 *)t->data + b * t->sb + s * t->ss + h * t->sh;
-                CUDA_OK(cudaMemcpy(row, src, (size_t)t->d * 2, cudaMemcpyDeviceToHost));
-                for (int64_t e = 0; e < t->d; e++) x[i + e] = __bfloat162float(row[e]);
-            }
-    free(row);
+        for (int64_t s = 0; s < t->s; s++, i += hd) { /* a token's heads, sh apart */
+            const __nv_bfloat16 *src = (const __nv_bfloat16 *)t->data + b * t->sb + s * t->ss;
+            const int64_t pitch = t->h > 1 ? t->sh : t->d;
+            CUDA_OK(cudaMemcpy2D(token, (size_t)t->d * 2, src, (size_t)pitch * 2,
+                                 (size_t)t->d * 2, (size_t)t->h, cudaMemcpyDeviceToHost));
+            for (int64_t e = 0; e < hd; e++) x[i + e] = __bfloat162float(token[e]);
+        }
+    free(token);
     return x;
 }
 
@@ -159,7 +160,8 @@ int main(int argc, char **argv) {
     uly_tensor out_r = uly_dense(to_gpu(NULL, nq_r), ULY_BF16, B, tok.count, H, D);
     dout_r.data = (__nv_bfloat16 *)dout.data + tok.start * dout.ss, dout_r.s = tok.count;
 
-    /* The layer: forward, then backward, on one stream. */
+    /* The layer: forward, then backward, on one stream. A blocking one (cudaStreamCreate): it
+       waits for the legacy stream, where the cudaMemcpy calls above may still be landing. */
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreate(&stream));
     uly_layer L = uly_cuda_layer(&plan, &comm, stream); /* the flash kernels */
