@@ -311,6 +311,16 @@ TEST(a_failing_ncclGroupEnd_is_ecomm_on_both_ranks) {
 
 static void comm_main(const uly_comm *c, void *user) { *(uly_comm *)user = *c; }
 
+/* A one-rank NCCL communicator offers alltoallv and no alltoall. */
+static void check_no_alltoall(void) {
+    uly_comm c;
+    memset(&c, 0xff, sizeof c);
+    uly_status st = nccl_run(1, comm_main, &c);
+    CHECK(!st.code, "%s", st.msg);
+    CHECK(c.alltoallv && !c.alltoall, "alltoallv %p, alltoall %p; want set, NULL",
+          (void *)c.alltoallv, (void *)c.alltoall);
+}
+
 #if ULY_NCCL_ALLTOALL
 /* alltoall: rank i sends 5 bytes to each rank j, block j of its buffer. */
 static uly_status exchange_uniform(const uly_comm *c, int64_t *wrong) {
@@ -357,12 +367,7 @@ TEST(alltoall_goes_through_ncclAlltoAll) {
    ncclSend/ncclRecv. */
 TEST(an_older_nccl_at_run_time_gives_no_alltoall) {
     uly_emu_nccl_version(NCCL_VERSION(2, 27, 7));
-    uly_comm c;
-    memset(&c, 0xff, sizeof c);
-    uly_status st = nccl_run(1, comm_main, &c);
-    CHECK(!st.code, "%s", st.msg);
-    CHECK(c.alltoallv && !c.alltoall, "alltoallv %p, alltoall %p; want set, NULL",
-          (void *)c.alltoallv, (void *)c.alltoall);
+    check_no_alltoall();
     const unsigned long long a0 = calls("ncclAlltoAll"), s0 = calls("ncclSend");
     check_layer(&layer_cases[2], ULY_F32, nccl_run); /* every block of one size */
     const unsigned long long a = calls("ncclAlltoAll") - a0, s = calls("ncclSend") - s0;
@@ -370,14 +375,7 @@ TEST(an_older_nccl_at_run_time_gives_no_alltoall) {
     uly_emu_nccl_version(NCCL_VERSION_CODE);
 }
 #else
-TEST(without_ncclAlltoAll_the_communicator_has_no_alltoall) {
-    uly_comm c;
-    memset(&c, 0xff, sizeof c);
-    uly_status st = nccl_run(1, comm_main, &c);
-    CHECK(!st.code, "%s", st.msg);
-    CHECK(c.alltoallv && !c.alltoall, "alltoallv %p, alltoall %p; want set, NULL",
-          (void *)c.alltoallv, (void *)c.alltoall);
-}
+TEST(without_ncclAlltoAll_the_communicator_has_no_alltoall) { check_no_alltoall(); }
 #endif
 
 /* ---------------------------------------------------------------------------------------------

@@ -117,6 +117,18 @@ double at(const layout &l, const void *p, int64_t b, bool trans, int64_t i, int6
     return load(l.type, p, b * l.stride + i + j * l.ld);
 }
 
+// A handle's allocation with its body in place, and its release.
+template <typename H, typename B> cublasStatus_t create(H **h, const B &init) {
+    if (!h) return CUBLAS_STATUS_INVALID_VALUE;
+    *h = new H();
+    new (body(*h)) B(init);
+    return CUBLAS_STATUS_SUCCESS;
+}
+template <typename H> cublasStatus_t destroy(H *h) {
+    delete h;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
 // An attribute's new value, kept only if it has the attribute's size and is valid.
 template <typename T, typename F> cublasStatus_t set(T &field, const void *buf, size_t size,
                                                      F valid) {
@@ -155,16 +167,10 @@ const char *cublasLtGetStatusString(cublasStatus_t s) {
 
 cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t compute,
                                         cudaDataType_t scale) {
-    if (!d) return CUBLAS_STATUS_INVALID_VALUE;
-    *d = new cublasLtMatmulDescOpaque_t();
-    new (body(*d)) desc{compute, scale, {CUBLAS_OP_N, CUBLAS_OP_N}};
-    return CUBLAS_STATUS_SUCCESS;
+    return create(d, desc{compute, scale, {CUBLAS_OP_N, CUBLAS_OP_N}});
 }
 
-cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
-    delete d;
-    return CUBLAS_STATUS_SUCCESS;
-}
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) { return destroy(d); }
 
 cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
                                               cublasLtMatmulDescAttributes_t attr,
@@ -178,16 +184,10 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
 
 cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cudaDataType type,
                                           uint64_t rows, uint64_t cols, int64_t ld) {
-    if (!l) return CUBLAS_STATUS_INVALID_VALUE;
-    *l = new cublasLtMatrixLayoutOpaque_t();
-    new (body(*l)) layout{type, rows, cols, ld, 0, 1};
-    return CUBLAS_STATUS_SUCCESS;
+    return create(l, layout{type, rows, cols, ld, 0, 1});
 }
 
-cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
-    delete l;
-    return CUBLAS_STATUS_SUCCESS;
-}
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) { return destroy(l); }
 
 cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
                                                 cublasLtMatrixLayoutAttribute_t attr,
@@ -202,16 +202,10 @@ cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
 }
 
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
-    if (!p) return CUBLAS_STATUS_INVALID_VALUE;
-    *p = new cublasLtMatmulPreferenceOpaque_t();
-    new (body(*p)) pref{0, CUBLASLT_REDUCTION_SCHEME_MASK, {256, 256, 256, 256}};
-    return CUBLAS_STATUS_SUCCESS;
+    return create(p, pref{0, CUBLASLT_REDUCTION_SCHEME_MASK, {256, 256, 256, 256}});
 }
 
-cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
-    delete p;
-    return CUBLAS_STATUS_SUCCESS;
-}
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) { return destroy(p); }
 
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
                                                     cublasLtMatmulPreferenceAttributes_t attr,
