@@ -21,7 +21,7 @@
    USAGE: one SP attention layer, one GPU per rank (examples/sp_attention_nccl.cu in full)
 
        ncclComm_t world, sp, dp;                 // world from ncclCommInitRank, MPI bootstrap
-       uly_nccl_split(world, P, &sp, &dp);       // SP: P consecutive ranks; DP: across groups
+       uly_nccl_split(world, P, 0, &sp, &dp);    // SP: P consecutive ranks; DP: across groups
        uly_nccl nccl = {sp, d_scratch};          // ULY_NCCL_SCRATCH doubles of device memory
        uly_comm comm;
        uly_nccl_comm(&nccl, &comm);
@@ -128,33 +128,37 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
    NCCL moves GPU memory only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier
    go through `scratch`, ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL:
    they return ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most
-   timeout_s seconds (0: no limit). Given no stream, allreduce_sum (of either memory) and
-   barrier use the per-thread default one of the current device, which must be comm's: the
-   legacy stream would also wait for every other blocking stream, another communicator's
-   collectives among them, which can tie two communicators into a deadlock. Those waits mean
-   barrier, allreduce_sum and uly_loss_reduce never go inside the caller's
-   ncclGroupStart/ncclGroupEnd, where NCCL queues nothing until ncclGroupEnd.
+   timeout_s seconds (0: no limit). Calls given no stream (barrier, uly_loss_reduce's
+   allreduce_sum) use `stream`, or if it is NULL the per-thread default stream of the current
+   device, which must be comm's: the legacy stream would also wait for every other blocking
+   stream, another communicator's collectives among them, which can tie two communicators into
+   a deadlock. Those waits mean barrier, allreduce_sum and uly_loss_reduce never go inside the
+   caller's ncclGroupStart/ncclGroupEnd, where NCCL queues nothing until ncclGroupEnd.
    Failures return ULY_ECOMM with NCCL's message. After any failure (a call NCCL refused, a peer
    or the network gone) or a timeout the communicator is unusable and its peers may be stuck in
    the collective: every live rank must ncclCommAbort it (NCCL requires all of them to; it also
-   lets a stuck stream drain). Nothing here aborts or destroys a communicator. The timeouts
-   bound waits for work NCCL has queued; a blocking NCCL call can itself hold the thread when a
-   peer never arrives (a split, or the first exchange with a peer, which connects to it), which
-   only NCCL's non-blocking communicators avoid. comm must be blocking (NCCL's default config):
-   a non-blocking one may return before its work is queued, on another thread's stream, and is
-   not supported. */
+   lets a stuck stream drain). Nothing here aborts or destroys a communicator.
+   comm may be blocking (NCCL's default config) or non-blocking (ncclConfig_t.blocking = 0).
+   A blocking NCCL call can itself hold the thread when a peer never arrives (the first exchange
+   with a peer connects to it), where no timeout reaches. A non-blocking one answers
+   ncclInProgress and each call here polls until NCCL has queued the work, for at most
+   timeout_s, so that a missing peer is ULY_ECOMM: the way to bound every wait. Its work is
+   launched from NCCL's own thread, whose per-thread stream is not the caller's: set `stream`. */
 enum { ULY_NCCL_SCRATCH = 64 };
 typedef struct uly_nccl {
     ncclComm_t comm;
     double *scratch;
     double timeout_s;
+    void *stream; /* cudaStream_t of the calls given none; NULL: the per-thread default stream */
 } uly_nccl;
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
 /* Splits world into SP groups of sp_size consecutive ranks and DP groups across them (a
-   collective over world, which must have no NCCL work outstanding). On failure *sp and *dp hold what was made (NULL for the rest): the
+   collective over world, which must have no NCCL work outstanding), waiting at most timeout_s
+   seconds (0: no limit) for a non-blocking world's splits. On failure *sp and *dp hold what was made (NULL for the rest): the
    caller aborts them with world, since peers may still be inside the failed split, where a
    destroy here could wait for them forever. */
-ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, ncclComm_t *dp);
+ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s, ncclComm_t *sp,
+                                 ncclComm_t *dp);
 /* Waits until the work queued on stream is done, polling NCCL for an asynchronous error (a
    peer that died, a network failure). On such an error, or after timeout_s seconds (0: no
    limit), it returns ULY_ECOMM: never a silent hang on queued work. Then comm is unusable;
@@ -1051,6 +1055,31 @@ static uly_status uly__nccl(ncclResult_t r, ncclComm_t comm, const char *what) {
     return uly__ok();
 }
 
+/* Seconds since t0. */
+static double uly__since(const struct timespec *t0) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - t0->tv_sec) + 1e-9 * (double)(now.tv_nsec - t0->tv_nsec);
+}
+
+/* NCCL's answer r to a call on comm, once final. A non-blocking communicator answers
+   ncclInProgress until the call's work is queued, and until then only ncclCommGetAsyncError
+   may be called on it (NCCL's rule): poll that, for at most timeout_s seconds (0: no limit). */
+static uly_status uly__nccl_ready(ncclComm_t comm, ncclResult_t r, double timeout_s,
+                                  const char *what) {
+    struct timespec t0, nap = {0, 100000};
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    while (r == ncclInProgress) {
+        ULY__TRY(uly__nccl(ncclCommGetAsyncError(comm, &r), comm, what));
+        const double waited = uly__since(&t0);
+        ULY__CHECK(r != ncclInProgress || !(timeout_s > 0 && waited > timeout_s), ULY_ECOMM,
+                   "%s: still in progress after %.1f s (a peer may be gone); the communicator "
+                   "is unusable: ncclCommAbort it on every rank", what, waited);
+        if (r == ncclInProgress) nanosleep(&nap, NULL);
+    }
+    return uly__nccl(r, comm, what);
+}
+
 /* A failed or in-flight-broken communicator says so here, not in a hang at the next call. */
 static uly_status uly__nccl_async(ncclComm_t comm, const char *what) {
     ncclResult_t async = ncclSuccess;
@@ -1084,7 +1113,7 @@ static uly_status uly__nccl_alltoallv(void *ctx, const void *send, const int64_t
     }
     const ncclResult_t end = ncclGroupEnd(); /* always closes the group */
     ULY__TRY(uly__nccl(r, n->comm, "alltoallv: ncclSend/ncclRecv"));
-    ULY__TRY(uly__nccl(end, n->comm, "alltoallv: ncclGroupEnd"));
+    ULY__TRY(uly__nccl_ready(n->comm, end, n->timeout_s, "alltoallv: ncclGroupEnd"));
     return uly__nccl_async(n->comm, "alltoallv");
 }
 
@@ -1094,23 +1123,29 @@ static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, in
     uly_nccl *n = (uly_nccl *)ctx;
     ULY__CHECK(bytes >= 0 && ((send && recv) || !bytes), ULY_EINVAL, "alltoall: bytes (%lld) "
                "must be >= 0, and send and recv not NULL", ULY__LL(bytes));
-    ULY__TRY(uly__nccl(ncclAlltoAll(send, recv, (size_t)bytes, ncclUint8, n->comm,
-                                    (cudaStream_t)stream), n->comm, "alltoall: ncclAlltoAll"));
+    ULY__TRY(uly__nccl_ready(n->comm, ncclAlltoAll(send, recv, (size_t)bytes, ncclUint8, n->comm,
+                                                   (cudaStream_t)stream),
+                             n->timeout_s, "alltoall: ncclAlltoAll"));
     return uly__nccl_async(n->comm, "alltoall");
 }
 #endif
 
 static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStream_t s) {
-    ULY__TRY(uly__nccl(ncclAllReduce(dev, dev, (size_t)count, ncclFloat64, ncclSum, n->comm, s),
-                       n->comm, "allreduce_sum: ncclAllReduce"));
+    ULY__TRY(uly__nccl_ready(n->comm,
+                             ncclAllReduce(dev, dev, (size_t)count, ncclFloat64, ncclSum, n->comm, s),
+                             n->timeout_s, "allreduce_sum: ncclAllReduce"));
     return uly__nccl_async(n->comm, "allreduce_sum");
+}
+
+/* The stream of calls given none (see uly_nccl_comm). */
+static void *uly__nccl_stream(const uly_nccl *n) {
+    return n->stream ? n->stream : (void *)cudaStreamPerThread;
 }
 
 /* Device memory in place; host memory through scratch, a chunk at a time, waiting for each. */
 static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, void *stream) {
     uly_nccl *n = (uly_nccl *)ctx;
-    /* No stream (uly_loss_reduce's): the per-thread default one, as for barrier. */
-    cudaStream_t s = stream ? (cudaStream_t)stream : cudaStreamPerThread;
+    cudaStream_t s = (cudaStream_t)(stream ? stream : uly__nccl_stream(n));
     ULY__CHECK(count >= 0 && (buf || !count), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 "
                "and buf not NULL", ULY__LL(count));
     int device = 0;
@@ -1135,19 +1170,23 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
     return uly__ok();
 }
 
-/* A one-value allreduce, waited for, on the per-thread default stream (see uly_nccl_comm). */
+/* A one-value allreduce, waited for, on the stream of calls given none. */
 static uly_status uly__nccl_barrier(void *ctx) {
     uly_nccl *n = (uly_nccl *)ctx;
+    cudaStream_t s = (cudaStream_t)uly__nccl_stream(n);
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "barrier: uly_nccl.scratch is NULL (it needs %d "
                "doubles of device memory)", (int)ULY_NCCL_SCRATCH);
-    ULY__TRY(uly__nccl_sum(n, n->scratch, 1, cudaStreamPerThread));
-    return uly_nccl_wait(n->comm, cudaStreamPerThread, n->timeout_s);
+    ULY__TRY(uly__nccl_sum(n, n->scratch, 1, s));
+    return uly_nccl_wait(n->comm, s, n->timeout_s);
 }
 
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
     ULY__CHECK(n && n->comm && out, ULY_EINVAL, "uly_nccl_comm: %s is NULL",
                !n ? "n" : !out ? "out" : "n->comm");
     memset(out, 0, sizeof *out);
+    /* A non-blocking communicator may still be joining its peers (ncclCommInitRankConfig, a
+       split): wait until it is ready. */
+    ULY__TRY(uly__nccl_ready(n->comm, ncclInProgress, n->timeout_s, "uly_nccl_comm"));
     ULY__TRY(uly__nccl(ncclCommCount(n->comm, &out->size), n->comm, "ncclCommCount"));
     ULY__TRY(uly__nccl(ncclCommUserRank(n->comm, &out->rank), n->comm, "ncclCommUserRank"));
     out->alltoallv = uly__nccl_alltoallv;
@@ -1165,7 +1204,8 @@ ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
     return uly__ok();
 }
 
-ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, ncclComm_t *dp) {
+ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s, ncclComm_t *sp,
+                                 ncclComm_t *dp) {
     int size = 0, rank = 0;
     ULY__CHECK(world && sp && dp, ULY_EINVAL, "uly_nccl_split: %s is NULL",
                !world ? "world" : !sp ? "sp" : "dp");
@@ -1174,14 +1214,16 @@ ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, ncclComm_t *sp, 
     ULY__TRY(uly__nccl(ncclCommUserRank(world, &rank), world, "uly_nccl_split: ncclCommUserRank"));
     ULY__CHECK(sp_size >= 1 && size % sp_size == 0, ULY_EINVAL, "uly_nccl_split: sp_size (%d) must "
                "divide the world's size (%d)", sp_size, size);
-    ULY__TRY(uly__nccl(ncclCommSplit(world, rank / sp_size, rank % sp_size, sp, NULL), world,
-                       "uly_nccl_split: ncclCommSplit (SP)"));
-    return uly__nccl(ncclCommSplit(world, rank % sp_size, rank / sp_size, dp, NULL), world,
-                     "uly_nccl_split: ncclCommSplit (DP)");
+    /* A non-blocking world's splits are in progress when they return: world must be ready for
+       the next call; the new communicators are waited for by uly_nccl_comm. */
+    ULY__TRY(uly__nccl_ready(world, ncclCommSplit(world, rank / sp_size, rank % sp_size, sp, NULL),
+                             timeout_s, "uly_nccl_split: ncclCommSplit (SP)"));
+    return uly__nccl_ready(world, ncclCommSplit(world, rank % sp_size, rank / sp_size, dp, NULL),
+                           timeout_s, "uly_nccl_split: ncclCommSplit (DP)");
 }
 
 ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s) {
-    struct timespec t0, now, nap = {0, 100000};
+    struct timespec t0, nap = {0, 100000};
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {
         const cudaError_t q = cudaStreamQuery((cudaStream_t)stream);
@@ -1190,9 +1232,7 @@ ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s)
         uly_status st = uly__nccl_async(comm, "uly_nccl_wait"); /* done is not enough: a peer
                                                                    may have failed since */
         if (!st.code && q == cudaSuccess) return st;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        const double waited =
-            (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
+        const double waited = uly__since(&t0);
         if (!st.code && timeout_s > 0 && waited > timeout_s)
             st = uly__err(ULY_ECOMM, "uly_nccl_wait: the stream is not done after %.1f s (a peer "
                           "may be gone)", waited);

@@ -120,8 +120,8 @@ int main(int argc, char **argv) {
     if (rank == 0) nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId");
     MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
     nccl_ok(ncclCommInitRank(&all, world, id, rank), "ncclCommInitRank");
-    ulysses_ok(uly_nccl_split(all, P, &sp, &dp), "uly_nccl_split");
-    uly_nccl nccl = {sp, NULL, 60.0}; /* host-side waits give up after a minute */
+    ulysses_ok(uly_nccl_split(all, P, 0, &sp, &dp), "uly_nccl_split");
+    uly_nccl nccl = {sp, NULL, 60.0, NULL}; /* waits give up after a minute; no own stream */
     CUDA_OK(cudaMalloc((void **)&nccl.scratch, ULY_NCCL_SCRATCH * sizeof(double)));
     uly_comm comm;
     ulysses_ok(uly_nccl_comm(&nccl, &comm), "uly_nccl_comm");

@@ -24,6 +24,11 @@
    - uly_nccl_split: SP groups of consecutive ranks and DP groups across them (sizes, ranks and
      members), by ncclCommSplit's color/key rule, checked on the double too; an sp_size that
      does not divide the world is ULY_EINVAL.
+   - Non-blocking communicators: the layer, splits, allreduce_sum and barrier work when every
+     call answers ncclInProgress (each waits until NCCL says the work is queued; calls given no
+     stream take uly_nccl.stream), and a call that stays in progress, as when a peer never
+     arrives, is ULY_ECOMM after uly_nccl.timeout_s.
+   - An NCCL older than 2.28 at run time (the double reports 2.27): no alltoall.
    - Errors: a failing ncclSend, ncclAlltoAll or ncclAllReduce is ULY_ECOMM quoting NCCL's error
      string and last error; an asynchronous error fails the next call, and uly_nccl_wait reports
      it (on a stalled stream and on a finished one); so does a stream not done within the
@@ -67,19 +72,25 @@ typedef struct nccl_job {
     void *user;
     double timeout_s; /* uly_nccl.timeout_s */
     int abort;        /* abort the communicators at the end (a test timed out on purpose) */
+    int nonblocking;  /* ncclConfig_t.blocking = 0, with a stream of the rank's own */
     uly_status st[4];
 } nccl_job;
 
 static void nccl_rank(const uly_comm *local, void *user) {
     nccl_job *j = (nccl_job *)user;
     ncclComm_t comm = NULL;
-    if (ncclCommInitRank(&comm, local->size, j->id, local->rank) != ncclSuccess) {
-        CHECK(0, "rank %d: ncclCommInitRank: %s", local->rank, ncclGetLastError(NULL));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = !j->nonblocking;
+    const ncclResult_t r = ncclCommInitRankConfig(&comm, local->size, j->id, local->rank, &config);
+    if (r != ncclSuccess && !(j->nonblocking && r == ncclInProgress)) { /* uly_nccl_comm waits */
+        CHECK(0, "rank %d: ncclCommInitRankConfig: %s", local->rank, ncclGetLastError(NULL));
         return;
     }
     double *scratch = NULL;
     cudaMalloc((void **)&scratch, ULY_NCCL_SCRATCH * sizeof(double));
-    uly_nccl n = {comm, scratch, j->timeout_s};
+    cudaStream_t own = NULL;
+    if (j->nonblocking) cudaStreamCreate(&own);
+    uly_nccl n = {comm, scratch, j->timeout_s, own};
     uly_comm c;
     j->st[local->rank] = uly_nccl_comm(&n, &c);
     if (!j->st[local->rank].code) j->fn(&c, j->user);
@@ -88,24 +99,37 @@ static void nccl_rank(const uly_comm *local, void *user) {
     if (async != ncclSuccess || j->abort) ncclCommAbort(comm); /* as the library says to */
     else ncclCommDestroy(comm);
     cudaFree(scratch);
+    if (own) cudaStreamDestroy(own);
 }
 
 /* fn on `size` ranks of a new NCCL communicator, each with ULY_NCCL_SCRATCH doubles of scratch
    and the given timeout; the first error of the run. */
-static uly_status nccl_run_timed(int size, void (*fn)(const uly_comm *comm, void *user),
-                                 void *user, double timeout_s) {
+static uly_status nccl_run_as(int size, void (*fn)(const uly_comm *comm, void *user),
+                              void *user, double timeout_s, int nonblocking) {
     nccl_job j;
     memset(&j, 0, sizeof j);
     j.fn = fn, j.user = user, j.timeout_s = timeout_s, j.abort = timeout_s > 0;
+    j.nonblocking = nonblocking;
     ncclGetUniqueId(&j.id);
     uly_status st = uly_local_run(size, nccl_rank, &j);
     for (int r = 0; r < size && !st.code; r++) st = j.st[r];
     return st;
 }
 
+static uly_status nccl_run_timed(int size, void (*fn)(const uly_comm *comm, void *user),
+                                 void *user, double timeout_s) {
+    return nccl_run_as(size, fn, user, timeout_s, 0);
+}
+
 /* The same with no time limit (an sp_runner). */
 static uly_status nccl_run(int size, void (*fn)(const uly_comm *comm, void *user), void *user) {
     return nccl_run_timed(size, fn, user, 0);
+}
+
+/* On non-blocking communicators, each rank with a stream of its own (an sp_runner). */
+static uly_status nccl_run_nonblocking(int size, void (*fn)(const uly_comm *comm, void *user),
+                                       void *user) {
+    return nccl_run_as(size, fn, user, 0, 1);
 }
 
 /* An injected failure: the next `call` on every rank's communicator returns r. */
@@ -466,11 +490,13 @@ TEST(allreduce_of_host_memory_goes_through_scratch_in_chunks) {
 }
 
 /* No stream, as uly_loss_reduce calls it (host memory), and device memory: every operation on
-   the per-thread default stream, none on the legacy one (which waits for every blocking stream,
-   another communicator's collectives among them). off[memory][rank]: the first operation
-   elsewhere, if any. */
+   uly_nccl.stream, or without one on the per-thread default stream, none on the legacy one
+   (which waits for every blocking stream, another communicator's collectives among them).
+   off[memory][rank]: the first operation elsewhere, if any. */
 static void no_stream_main(const uly_comm *c, void *user) {
     const char *(*off)[2] = (const char *(*)[2])user;
+    const cudaStream_t own = (cudaStream_t)((const uly_nccl *)c->ctx)->stream;
+    const cudaStream_t want = own ? own : cudaStreamPerThread;
     double host[2] = {1, 2}, *dev = NULL;
     CHECK(cudaMalloc(&dev, sizeof host) == cudaSuccess, "cudaMalloc");
     cudaMemcpy(dev, host, sizeof host, cudaMemcpyHostToDevice);
@@ -478,8 +504,8 @@ static void no_stream_main(const uly_comm *c, void *user) {
         uly_emu_record_reset();
         double *v = on_device ? dev : host;
         const uly_status st = c->allreduce_sum(c->ctx, v, 2, NULL);
-        off[on_device][c->rank] = recorded_calls(cudaStreamPerThread).off_stream;
-        cudaStreamSynchronize(cudaStreamPerThread);
+        off[on_device][c->rank] = recorded_calls(want).off_stream;
+        cudaStreamSynchronize(want);
         if (on_device) cudaMemcpy(host, dev, sizeof host, cudaMemcpyDeviceToHost);
         CHECK(!st.code && host[0] == c->size && host[1] == 2 * c->size,
               "rank %d, %s memory: '%s', sums %g %g", c->rank, on_device ? "device" : "host",
@@ -489,14 +515,16 @@ static void no_stream_main(const uly_comm *c, void *user) {
     cudaFree(dev);
 }
 
-TEST(allreduce_without_a_stream_runs_on_the_per_thread_stream) {
+static void check_no_stream(sp_runner run) {
     const char *off[2][2] = {{NULL, NULL}, {NULL, NULL}};
-    const uly_status st = nccl_run(2, no_stream_main, off);
+    const uly_status st = run(2, no_stream_main, off);
     for (int m = 0; m < 2; m++)
-        CHECK(!st.code && !off[m][0] && !off[m][1], "'%s'; %s memory, off the per-thread "
-              "stream: %s, %s", st.msg, m ? "device" : "host", off[m][0] ? off[m][0] : "nothing",
+        CHECK(!st.code && !off[m][0] && !off[m][1], "'%s'; %s memory, off the stream: %s, %s",
+              st.msg, m ? "device" : "host", off[m][0] ? off[m][0] : "nothing",
               off[m][1] ? off[m][1] : "nothing");
 }
+
+TEST(allreduce_without_a_stream_runs_on_the_per_thread_stream) { check_no_stream(nccl_run); }
 
 typedef struct bare_job {
     uly_status host[4], dev[4], barrier[4];
@@ -506,7 +534,7 @@ typedef struct bare_job {
 /* A second uly_nccl over the rank's communicator, without scratch. */
 static void bare_main(const uly_comm *c, void *user) {
     bare_job *j = (bare_job *)user;
-    uly_nccl bare = {nccl_of(c), NULL, 0};
+    uly_nccl bare = {nccl_of(c), NULL, 0, ((const uly_nccl *)c->ctx)->stream};
     uly_comm b;
     if (uly_nccl_comm(&bare, &b).code) return;
     double host[2] = {1, 2};
@@ -573,9 +601,9 @@ static void split_main(const uly_comm *c, void *user) {
     split_job *j = (split_job *)user;
     const int r = c->rank;
     ncclComm_t group[2] = {NULL, NULL};
-    j->st[r] = uly_nccl_split(nccl_of(c), j->sp_size, &group[0], &group[1]);
+    j->st[r] = uly_nccl_split(nccl_of(c), j->sp_size, 0, &group[0], &group[1]);
     for (int g = 0; g < 2 && !j->st[r].code; g++) {
-        uly_nccl n = {group[g], NULL, 0};
+        uly_nccl n = {group[g], NULL, 0, ((const uly_nccl *)c->ctx)->stream};
         uly_comm gc;
         j->st[r] = uly_nccl_comm(&n, &gc);
         j->size[r][g] = gc.size, j->rank[r][g] = gc.rank;
@@ -591,13 +619,13 @@ static void split_main(const uly_comm *c, void *user) {
 
 /* World rank r of 4: SP group r / P holds ranks [P (r / P), + P), where r has rank r % P; DP
    group r % P holds ranks r % P + k P, where r has rank r / P. */
-TEST(split_gives_sp_groups_of_consecutive_ranks_and_dp_groups_across) {
+static void check_split(sp_runner run) {
     const int sizes[] = {1, 2, 4};
     for (int P : sizes) {
         split_job j;
         memset(&j, 0, sizeof j);
         j.sp_size = P;
-        uly_status st = nccl_run(4, split_main, &j);
+        uly_status st = run(4, split_main, &j);
         CHECK(!st.code, "sp_size %d: %s", P, st.msg);
         for (int r = 0; r < 4; r++) {
             double sp = 0, dp = 0;
@@ -615,6 +643,8 @@ TEST(split_gives_sp_groups_of_consecutive_ranks_and_dp_groups_across) {
         }
     }
 }
+
+TEST(split_gives_sp_groups_of_consecutive_ranks_and_dp_groups_across) { check_split(nccl_run); }
 
 TEST(split_rejects_an_sp_size_that_does_not_divide_the_world) {
     split_job j;
@@ -638,7 +668,7 @@ static void split_fail_main(const uly_comm *c, void *user) {
     ncclComm_t sp = NULL, dp = NULL;
     uly_emu_nccl_fail(nccl_of(c), "ncclCommSplit", ncclSuccess, "");
     uly_emu_nccl_fail(nccl_of(c), "ncclCommSplit", ncclInternalError, kFaultMsg);
-    j->st[c->rank] = uly_nccl_split(nccl_of(c), 2, &sp, &dp);
+    j->st[c->rank] = uly_nccl_split(nccl_of(c), 2, 0, &sp, &dp);
     j->size[c->rank][0] = sp != NULL, j->size[c->rank][1] = dp != NULL;
     if (sp) ncclCommAbort(sp);
 }
@@ -873,7 +903,7 @@ TEST(null_arguments_are_einval) {
     ncclComm_t world, sp, dp;
     ncclGetUniqueId(&id);
     CHECK(ncclCommInitRank(&world, 1, id, 0) == ncclSuccess, "%s", ncclGetLastError(NULL));
-    uly_nccl n = {world, NULL, 0}, none = {NULL, NULL, 0};
+    uly_nccl n = {world, NULL, 0, NULL}, none = {NULL, NULL, 0, NULL};
     uly_comm c;
     const struct {
         uly_status st;
@@ -882,9 +912,9 @@ TEST(null_arguments_are_einval) {
         {uly_nccl_comm(NULL, &c), "uly_nccl_comm: n is NULL"},
         {uly_nccl_comm(&n, NULL), "uly_nccl_comm: out is NULL"},
         {uly_nccl_comm(&none, &c), "uly_nccl_comm: n->comm is NULL"},
-        {uly_nccl_split(NULL, 1, &sp, &dp), "uly_nccl_split: world is NULL"},
-        {uly_nccl_split(world, 1, NULL, &dp), "uly_nccl_split: sp is NULL"},
-        {uly_nccl_split(world, 1, &sp, NULL), "uly_nccl_split: dp is NULL"},
+        {uly_nccl_split(NULL, 1, 0, &sp, &dp), "uly_nccl_split: world is NULL"},
+        {uly_nccl_split(world, 1, 0, NULL, &dp), "uly_nccl_split: sp is NULL"},
+        {uly_nccl_split(world, 1, 0, &sp, NULL), "uly_nccl_split: dp is NULL"},
     };
     for (const auto &k : cases)
         CHECK(k.st.code == ULY_EINVAL && strstr(k.st.msg, k.msg), "'%s', want ULY_EINVAL '%s'",
@@ -893,3 +923,55 @@ TEST(null_arguments_are_einval) {
 }
 
 int main(void) { return uly_run_tests(); }
+
+/* ---------------------------------------------------------------------------------------------
+   Non-blocking communicators: every call waits until NCCL has queued its work (the double
+   answers ncclInProgress, then aborts on any call but ncclCommGetAsyncError until that says
+   so), and calls given no stream take uly_nccl.stream (the double refuses cudaStreamPerThread
+   there, NCCL's own thread's stream). */
+
+TEST(nonblocking_layer_matches_unsharded) {
+    const int cases[] = {0, 2, 6}; /* one rank; ncclAlltoAll; ncclSend/ncclRecv */
+    for (int i : cases) check_layer(&layer_cases[i], ULY_F32, nccl_run_nonblocking);
+}
+
+TEST(nonblocking_split_allreduce_and_barrier) {
+    check_split(nccl_run_nonblocking);
+    check_no_stream(nccl_run_nonblocking);
+    barrier_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run_nonblocking(4, barrier_main, &j);
+    for (int r = 0; r < 4; r++)
+        CHECK(!st.code && !j.st[r].code && !j.early[r], "rank %d: '%s' '%s', left while %d ranks "
+              "had not arrived", r, st.msg, j.st[r].msg, j.early[r]);
+}
+
+/* A peer that never arrives: rank 0's allreduce stays in progress, and its uly_nccl.timeout_s
+   ends the wait with ULY_ECOMM (on a blocking communicator NCCL could hold the thread). */
+typedef struct stall_job {
+    uly_status st[2];
+    double waited[2];
+} stall_job;
+
+static void stall_main(const uly_comm *c, void *user) {
+    stall_job *j = (stall_job *)user;
+    double *dev = NULL;
+    cudaMalloc((void **)&dev, sizeof(double));
+    cudaMemset(dev, 0, sizeof(double));
+    if (c->rank == 0) uly_emu_nccl_stall(nccl_of(c));
+    const double t0 = seconds();
+    j->st[c->rank] = c->allreduce_sum(c->ctx, dev, 1, NULL);
+    j->waited[c->rank] = seconds() - t0;
+    cudaFree(dev);
+}
+
+TEST(nonblocking_call_that_never_completes_is_ecomm_after_the_timeout) {
+    stall_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run_as(2, stall_main, &j, 0.05, 1);
+    CHECK(!st.code, "%s", st.msg);
+    CHECK(j.st[0].code == ULY_ECOMM && strstr(j.st[0].msg, "still in progress after") &&
+              strstr(j.st[0].msg, "ncclCommAbort it on every rank") && j.waited[0] >= 0.05,
+          "rank 0: '%s' after %.3f s", j.st[0].msg, j.waited[0]);
+    CHECK(!j.st[1].code, "rank 1: '%s'", j.st[1].msg);
+}

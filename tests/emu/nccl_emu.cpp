@@ -7,6 +7,7 @@
 // copies from its peers' buffers directly. It implements, with the signatures of <nccl.h> and
 // the behaviour NCCL documents, the subset that ulysses_cuda.cuh and tests/test_nccl.cu call:
 //   ncclGetUniqueId, ncclCommInitRank   the ranks meet on the id; init blocks until all arrive
+//   ncclCommInitRankConfig              the same; of the config, only `blocking` is read
 //   ncclCommSplit                       same color, same communicator; ranked by key, ties by
 //                                       the old rank; NCCL_SPLIT_NOCOLOR gives NULL
 //   ncclCommDestroy, ncclCommAbort, ncclCommCount, ncclCommUserRank
@@ -37,9 +38,16 @@
 // busy elsewhere, any call on a destroyed communicator, and anything outside the subset (other
 // reductions or types, a config, collectives or init inside a group).
 //
+// Non-blocking communicators (config.blocking = 0, and their splits): every call that queues
+// work (and their init and split) answers ncclInProgress once its work is done here, and
+// ncclCommGetAsyncError then answers ncclInProgress twice more before the real state, so the
+// caller must poll; any other call on the communicator before that aborts, as NCCL forbids it.
+// A stream argument of cudaStreamPerThread is ncclInvalidUsage there: NCCL launches such a
+// communicator's work from a thread of its own, whose per-thread stream is not the caller's.
+//
 // Not modeled: the network and topology (algorithms, channels, timing), real asynchrony
-// (kernels still running after the call, nonblocking communicators and ncclInProgress), several
-// ranks on one thread, and failures other than the ones the test hooks inject.
+// (kernels still running after the call), several ranks on one thread, and failures other than
+// the ones the test hooks inject.
 #include "cuda_emu.h"
 #include <nccl.h>
 
@@ -65,7 +73,7 @@ namespace {
 
 // The calls uly_emu_nccl_calls counts and uly_emu_nccl_fail can fail.
 const char *const kCalls[] = {
-    "ncclGetUniqueId", "ncclCommInitRank", "ncclCommSplit", "ncclCommDestroy", "ncclCommAbort",
+    "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommSplit", "ncclCommDestroy", "ncclCommAbort",
     "ncclCommCount", "ncclCommUserRank", "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd",
     "ncclSend", "ncclRecv", "ncclAlltoAll", "ncclAllReduce"};
 constexpr int kNumCalls = sizeof kCalls / sizeof *kCalls;
@@ -135,6 +143,9 @@ struct ncclComm {
     std::string async_msg;
     std::vector<Fault> faults;
     const char *gone = nullptr;  // "ncclCommDestroy" or "ncclCommAbort" once called
+    bool nonblocking = false;
+    int pending = 0;      // polls that still answer ncclInProgress; -1: every poll
+    bool stalls = false;  // uly_emu_nccl_stall: the next call stays in progress
 };
 
 namespace {
@@ -265,7 +276,8 @@ void tally(const char *call) {
     counts[call_index(call)]++;
 }
 
-// Every call on a communicator: counted, no use after destroy, and an injected fault served.
+// Every call on a communicator: counted, no use after destroy or while a non-blocking call is
+// in progress, and an injected fault served.
 ncclResult_t enter(const char *call, ncclComm *comm) {
     tally(call);
     if (!comm) return error(ncclInvalidArgument, "%s: comm is NULL", call);
@@ -273,6 +285,9 @@ ncclResult_t enter(const char *call, ncclComm *comm) {
     if (comm->gone)
         fatal("%s on rank %d's communicator after %s: NCCL would use freed memory", call,
               comm->rank, comm->gone);
+    if (comm->pending && strcmp(call, "ncclCommGetAsyncError"))
+        fatal("%s on rank %d's non-blocking communicator while its last call is in progress: "
+              "NCCL wants ncclCommGetAsyncError to say so first", call, comm->rank);
     for (auto f = comm->faults.begin(); f != comm->faults.end(); ++f)
         if (f->call == call) {
             const ncclResult_t r = error(f->r, "%s", f->msg.c_str());
@@ -290,6 +305,24 @@ ncclResult_t enter_work(const char *call, ncclComm *comm) {
     if (!comm->clique->deadlock.empty())
         return error(ncclInvalidUsage, "%s: %s", call, comm->clique->deadlock.c_str());
     return comm->async ? error(comm->async, "%s", comm->async_msg.c_str()) : ncclSuccess;
+}
+
+// A finished call's answer: ncclInProgress on a non-blocking communicator, which then stays in
+// progress for two polls (for ever once stalled).
+ncclResult_t progress(ncclComm *comm, ncclResult_t r) {
+    if (r != ncclSuccess || !comm->nonblocking) return r;
+    std::lock_guard<std::mutex> lock(m);
+    comm->pending = comm->stalls ? -1 : 2;
+    return ncclInProgress;
+}
+
+// A non-blocking communicator's work starts on NCCL's thread, where cudaStreamPerThread is that
+// thread's stream: the caller's work on its own per-thread stream would not be ordered with it.
+ncclResult_t on_stream(const char *call, const ncclComm *comm, cudaStream_t stream) {
+    if (comm && comm->nonblocking && stream == cudaStreamPerThread)
+        return error(ncclInvalidUsage, "%s: cudaStreamPerThread on a non-blocking communicator "
+                     "is NCCL's own thread's stream, not the caller's", call);
+    return ncclSuccess;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -498,12 +531,13 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     return ncclSuccess;
 }
 
-ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
-    tally("ncclCommInitRank");
-    outside_group("ncclCommInitRank");
-    if (!comm) return error(ncclInvalidArgument, "ncclCommInitRank: comm is NULL");
+static ncclResult_t init(const char *call, ncclComm_t *comm, int nranks, ncclUniqueId id,
+                         int rank) {
+    tally(call);
+    outside_group(call);
+    if (!comm) return error(ncclInvalidArgument, "%s: comm is NULL", call);
     if (nranks < 1 || rank < 0 || rank >= nranks)
-        return error(ncclInvalidArgument, "ncclCommInitRank: rank %d of %d ranks", rank, nranks);
+        return error(ncclInvalidArgument, "%s: rank %d of %d ranks", call, rank, nranks);
     std::unique_lock<std::mutex> lock(m);
     const std::string key(id.internal, sizeof id.internal);
     Clique *&forming_c = forming[key];
@@ -524,8 +558,20 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int
         forming.erase(key);
         cv.notify_all();
     }
-    wait(lock, nullptr, -1, "ncclCommInitRank", joined);
+    wait(lock, nullptr, -1, call, joined);
     return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
+    return init("ncclCommInitRank", comm, nranks, id, rank);
+}
+
+ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t *config) {
+    const ncclResult_t r = init("ncclCommInitRankConfig", comm, nranks, id, rank);
+    if (r || !config || config->blocking != 0) return r;
+    (*comm)->nonblocking = true;
+    return progress(*comm, r);
 }
 
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
@@ -535,7 +581,12 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
     if (config) fatal("ncclCommSplit with a config is not modeled (tests/emu/nccl_emu.cpp)");
     if (!newcomm) return error(ncclInvalidArgument, "ncclCommSplit: newcomm is NULL");
     Arg a = {"ncclCommSplit", nullptr, nullptr, 0, ncclUint8, color, key, newcomm};
-    return collective(comm, a, split);
+    const ncclResult_t r = collective(comm, a, split);
+    if (!r && *newcomm && comm->nonblocking) { /* the config of none is the parent's */
+        (*newcomm)->nonblocking = true;
+        progress(*newcomm, r);
+    }
+    return progress(comm, r);
 }
 
 // Both free the communicator in NCCL (Abort without waiting for its work), and accept NULL.
@@ -574,6 +625,11 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async) {
     if (ncclResult_t r = enter("ncclCommGetAsyncError", comm)) return r;
     if (!async) return error(ncclInvalidArgument, "ncclCommGetAsyncError: asyncError is NULL");
     std::lock_guard<std::mutex> lock(m);
+    if (comm->pending) {
+        comm->pending -= comm->pending > 0;
+        *async = ncclInProgress;
+        return ncclSuccess;
+    }
     *async = comm->async;
     if (comm->async) error(comm->async, "%s", comm->async_msg.c_str());
     return ncclSuccess;
@@ -593,7 +649,12 @@ ncclResult_t ncclGroupEnd() {
     ops.swap(queued);
     const ncclResult_t r = group_error;
     group_error = ncclSuccess;
-    return r ? r : run_p2p(ops);  // a failed call dropped the group; the last error says why
+    if (r) return r;  // a failed call dropped the group; the last error says why
+    ncclResult_t done = run_p2p(ops);
+    for (const Op &o : ops)  // each non-blocking communicator of the group is in progress
+        if (o.comm->nonblocking && !o.comm->pending && progress(o.comm, done) == ncclInProgress)
+            done = ncclInProgress;
+    return done;
 }
 
 static ncclResult_t p2p(const char *call, bool send, void *buf, size_t count,
@@ -605,7 +666,7 @@ static ncclResult_t p2p(const char *call, bool send, void *buf, size_t count,
                      call, peer, comm->clique->size);
     if (!buf && count) return error(ncclInvalidArgument, "%s: buffer is NULL", call);
     const Op o = {send, comm, peer, buf, count * type_size(type)};
-    if (!depth) return run_p2p({o});
+    if (!depth) return progress(comm, run_p2p({o}));
     queued.push_back(o);
     return ncclSuccess;
 }
@@ -613,12 +674,14 @@ static ncclResult_t p2p(const char *call, bool send, void *buf, size_t count,
 ncclResult_t ncclSend(const void *buf, size_t count, ncclDataType_t type, int peer,
                       ncclComm_t comm, cudaStream_t stream) {
     uly_emu_record_op("ncclSend", stream);
+    if (ncclResult_t r = on_stream("ncclSend", comm, stream)) return grouped(r);
     return grouped(p2p("ncclSend", true, const_cast<void *>(buf), count, type, peer, comm));
 }
 
 ncclResult_t ncclRecv(void *buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
     uly_emu_record_op("ncclRecv", stream);
+    if (ncclResult_t r = on_stream("ncclRecv", comm, stream)) return grouped(r);
     return grouped(p2p("ncclRecv", false, buf, count, type, peer, comm));
 }
 
@@ -631,8 +694,9 @@ ncclResult_t ncclAlltoAll(const void *send, void *recv, size_t count, ncclDataTy
         return error(ncclInvalidArgument, "ncclAlltoAll: invalid datatype %d", type);
     if (count && (!send || !recv))
         return error(ncclInvalidArgument, "ncclAlltoAll: a buffer is NULL");
-    return collective(comm, Arg{"ncclAlltoAll", send, recv, count, type, 0, 0, nullptr},
-                      all_to_all);
+    if (ncclResult_t r = on_stream("ncclAlltoAll", comm, stream)) return r;
+    return progress(comm, collective(comm, Arg{"ncclAlltoAll", send, recv, count, type, 0, 0,
+                                               nullptr}, all_to_all));
 }
 
 ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
@@ -644,8 +708,9 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
         fatal("ncclAllReduce: only ncclSum of ncclFloat64 is modeled (tests/emu/nccl_emu.cpp)");
     if (count && (!send || !recv))
         return error(ncclInvalidArgument, "ncclAllReduce: a buffer is NULL");
-    return collective(comm, Arg{"ncclAllReduce", send, recv, count, type, 0, 0, nullptr},
-                      all_reduce);
+    if (ncclResult_t r = on_stream("ncclAllReduce", comm, stream)) return r;
+    return progress(comm, collective(comm, Arg{"ncclAllReduce", send, recv, count, type, 0, 0,
+                                               nullptr}, all_reduce));
 }
 
 // =============================================================================================
@@ -661,6 +726,11 @@ void uly_emu_nccl_async_error(ncclComm_t comm, ncclResult_t r, const char *msg) 
     std::lock_guard<std::mutex> lock(m);
     comm->async = r;
     comm->async_msg = msg;
+}
+
+void uly_emu_nccl_stall(ncclComm_t comm) {
+    std::lock_guard<std::mutex> lock(m);
+    comm->stalls = true;
 }
 
 bool uly_emu_nccl_aborted(ncclComm_t comm) {

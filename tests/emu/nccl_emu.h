@@ -12,6 +12,10 @@ void uly_emu_nccl_fail(ncclComm_t comm, const char *call, ncclResult_t r, const 
 // refuses new work on it with r; msg becomes the last error when either happens.
 void uly_emu_nccl_async_error(ncclComm_t comm, ncclResult_t r, const char *msg);
 
+// From now on every call on comm that answers ncclInProgress (a non-blocking communicator's)
+// stays in progress, as when a peer never arrives.
+void uly_emu_nccl_stall(ncclComm_t comm);
+
 // Whether ncclCommAbort was called on comm. The double keeps every communicator it made, so this
 // may ask about an aborted one; any NCCL call on it aborts the test instead.
 bool uly_emu_nccl_aborted(ncclComm_t comm);
