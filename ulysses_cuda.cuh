@@ -154,9 +154,9 @@ typedef struct uly_nccl {
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
 /* Splits world into SP groups of sp_size consecutive ranks and DP groups across them (a
    collective over world, which must have no NCCL work outstanding), waiting at most timeout_s
-   seconds (0: no limit) for a non-blocking world's splits. On failure *sp and *dp hold what was made (NULL for the rest): the
-   caller aborts them with world, since peers may still be inside the failed split, where a
-   destroy here could wait for them forever. */
+   seconds (0: no limit) for a non-blocking world's splits. On failure *sp and *dp hold what
+   was made (NULL for the rest): the caller aborts them with world, since peers may still be
+   inside the failed split, where a destroy here could wait for them forever. */
 ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s, ncclComm_t *sp,
                                  ncclComm_t *dp);
 /* Waits until the work queued on stream is done, polling NCCL for an asynchronous error (a
@@ -2017,15 +2017,18 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
    Launchers */
 
 /* Dsum (fp32, one per query row and head), then the fp32 dQ accumulator unless deterministic.
-   A varlen batch is one sequence of total_q rows, so the same count serves both. */
+   A varlen batch is one sequence of total_q rows, so the same count serves both. -1 where a
+   size overflows int64. */
+static int64_t uly__fa_rows(const uly_attn_args *a) {
+    return uly__mul(uly__mul(a->q.b, a->q.h), a->q.s);
+}
 static int64_t uly__fa_dsum_bytes(const uly_attn_args *a) {
-    return uly__align(uly__mul(uly__mul(uly__mul(a->q.b, a->q.h), a->q.s), 4));
+    return uly__align(uly__mul(uly__fa_rows(a), 4));
 }
 static int64_t uly__fa_workspace(void *ctx, const uly_attn_args *a) {
     (void)ctx;
-    const int64_t rows = uly__mul(uly__mul(a->q.b, a->q.h), a->q.s);
-    return uly__add(uly__fa_dsum_bytes(a),
-                    a->deterministic ? 0 : uly__align(uly__mul(uly__mul(rows, a->q.d), 4)));
+    const int64_t acc = uly__align(uly__mul(uly__mul(uly__fa_rows(a), a->q.d), 4));
+    return uly__add(uly__fa_dsum_bytes(a), a->deterministic ? 0 : acc);
 }
 
 /* The flash kernels and the backward pre- and post-passes move 16-byte chunks of rows. The
@@ -2419,9 +2422,8 @@ enum { ULY__LT_PARTS = 7 };
 static void uly__lt_parts(const uly_attn_args *a, int64_t (&n)[ULY__LT_PARTS]) {
     const int64_t blk = uly__mul(uly__mul(uly__lt_group(a), a->q.s), uly__lt_ld(a));
     const int64_t kd = uly__mul(uly__mul(a->k.s, a->q.d), 4);
-    const int64_t rows = uly__mul(uly__mul(a->q.b, a->q.h), a->q.s);
     const int64_t part[ULY__LT_PARTS] = {uly__mul(blk, 4), uly__mul(blk, 2), uly__mul(blk, 2),
-                                         uly__mul(rows, 4), kd, kd, ULY__LT_WS};
+                                         uly__fa_dsum_bytes(a), kd, kd, ULY__LT_WS};
     for (int i = 0; i < ULY__LT_PARTS; i++) n[i] = uly__align(part[i]);
 }
 
