@@ -30,11 +30,12 @@
                        .layout = uly_cpu_layout(), .causal = 1 };
        L.workspace_bytes = uly_layer_workspace(&L);
        L.workspace = malloc(L.workspace_bytes);
-       void *saved = malloc(uly_saved_bytes(&plan));        // kept from forward to backward
+       int64_t nsaved = uly_saved_bytes(&plan);
+       void *saved = malloc(nsaved);                         // kept from forward to backward
        uly_range tok = uly_tokens(&plan, plan.sp_rank);      // this rank's tokens
        uly_tensor q = uly_dense(qbuf, ULY_F32, 1, tok.count, 16, 64), ...;
-       st = uly_forward(&L, q, k, v, out, saved);
-       st = uly_backward(&L, dout, saved, dq, dk, dv);
+       st = uly_forward(&L, q, k, v, out, saved, nsaved);
+       st = uly_backward(&L, dout, saved, nsaved, dq, dk, dv);
 
    SHARDING (everything is int64; any S >= P and any H >= P, no padding)
        sp_rank = rank % P, dp_rank = rank / P: an SP group is P consecutive ranks.
@@ -252,10 +253,10 @@ typedef struct uly_attn_args {
     int deterministic;           /* bitwise-identical results run to run */
     int64_t q_head0;             /* global index of q's first head; 0 for whole tensors */
     int64_t kv_group;            /* query heads per kv head; 0 = q.h / k.h */
-    void *workspace;             /* workspace(ctx, args) bytes, asked with these same args (no
-                                    size travels with it, so one sized for other args goes
-                                    unnoticed), aligned as the attention requires, in the
-                                    attention's memory */
+    void *workspace;             /* workspace(ctx, args) bytes, asked with these same args,
+                                    aligned as the attention requires, in its memory */
+    int64_t workspace_bytes;     /* the size of workspace: one sized for other args is an
+                                    error, not an overrun */
     void *stream;                /* cudaStream_t for GPU attention */
 } uly_attn_args;
 
@@ -330,16 +331,17 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l);
 ULYDEF int64_t uly_saved_bytes(const uly_plan *p);
 ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
 /* q, k, v, out in sequence layout [B, S_r, H or Hkv, D] (views into a fused buffer are fine).
+   saved holds saved_bytes, at least uly_saved_bytes() (one sized for another plan is an error).
    saved and the workspace must not overlap each other or any tensor (an error), and dq, dk and
    dv not each other, except as consecutive slices along b, s or h of one view (uly_qkv_views'
    fused [.., H + 2 Hkv, D]) or as one view shifted into the gaps between its rows (heads
    interleaved, [.., H, 3, D]). An output may be written over an input of the same call (out
    over q, dq over dout): inputs are exchanged before any output is written. */
 ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
-                              uly_tensor out, void *saved);
+                              uly_tensor out, void *saved, int64_t saved_bytes);
 /* dq, dk, dv are overwritten, in sequence layout. */
 ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *saved,
-                               uly_tensor dq, uly_tensor dk, uly_tensor dv);
+                               int64_t saved_bytes, uly_tensor dq, uly_tensor dk, uly_tensor dv);
 
 /* ---------------------------------------------------------------------------------------------
    What a trainer needs around the layer */
@@ -1490,6 +1492,18 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     return uly__check_like("dv", a->dv, kv);
 }
 
+/* The attentions' rule for their workspace: need bytes (what workspace(ctx, a) gives; -1 when
+   that overflows int64), at an address aligned to align. */
+static uly_status uly__check_workspace(const uly_attn_args *a, int64_t need, int align) {
+    ULY__CHECK(need >= 0, ULY_EOVERFLOW, "workspace: its size overflows int64");
+    ULY__CHECK(a->workspace && (uintptr_t)a->workspace % align == 0, ULY_EINVAL,
+               "workspace is NULL or not %d-byte aligned", align);
+    ULY__CHECK(a->workspace_bytes >= need, ULY_EINVAL,
+               "workspace_bytes (%lld) < workspace() (%lld): sized for other args?",
+               ULY__LL(a->workspace_bytes), ULY__LL(need));
+    return uly__ok();
+}
+
 /* Query rows per tile, and keys whose dot products are summed together in registers. */
 enum { ULY__TILE = 16, ULY__KEYS = 16 };
 
@@ -1527,8 +1541,7 @@ static uly_status uly__cpu_check(void *ctx, const uly_attn_args *a, int backward
     ULY__TRY(uly_attn_check(a, backward));
     ULY__CHECK(a->q.dtype == ULY_F32, ULY_EUNSUPPORTED,
                "dtype %s: the CPU attention computes in f32 only", uly__dtype_name(a->q.dtype));
-    ULY__CHECK(a->workspace, ULY_EINVAL, "workspace is NULL (workspace() gives its bytes)");
-    return uly__ok();
+    return uly__check_workspace(a, uly__cpu_workspace(ctx, a), 4);
 }
 
 static float *uly__f32(uly_tensor t, int64_t b, int64_t s, int64_t h) {
@@ -1732,7 +1745,7 @@ static void uly__phase(const uly_layer *l, uly_phase phase, int end) {
 /* The attention over this rank's heads; grad NULL for the forward. q_head0 and kv_group map a
    GQA group that is split across ranks. */
 static uly_attn_args uly__args(const uly_layer *l, const uly__heads *h, float *lse,
-                               const uly__heads *grad, void *workspace) {
+                               const uly__heads *grad, void *workspace, int64_t workspace_bytes) {
     uly_attn_args a;
     memset(&a, 0, sizeof a);
     a.q = h->q, a.k = h->k, a.v = h->v, a.o = h->o, a.lse = lse;
@@ -1743,6 +1756,7 @@ static uly_attn_args uly__args(const uly_layer *l, const uly__heads *h, float *l
     a.q_head0 = uly_heads(l->plan, l->plan->sp_rank).start;
     a.kv_group = l->plan->group;
     a.workspace = workspace;
+    a.workspace_bytes = workspace_bytes;
     a.stream = l->stream;
     return a;
 }
@@ -1757,7 +1771,7 @@ static int64_t uly__layer_bytes(const uly_layer *l) {
     if (l->attn.workspace) {
         uly__heads_at(l->plan, NULL, &h);
         uly__work_at(l->plan, NULL, &w);
-        uly_attn_args a = uly__args(l, &h, NULL, &w.grad, NULL);
+        uly_attn_args a = uly__args(l, &h, NULL, &w.grad, NULL, 0);
         attn = l->attn.workspace(l->attn.ctx, &a);
     }
     return uly__add(uly__work_at(l->plan, NULL, &w), attn);
@@ -1770,7 +1784,7 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l) {
 
 /* The layer's fields and buffers; *need gets uly_layer_workspace(). */
 static uly_status uly__check_layer(const uly_layer *l, int backward, const void *saved,
-                                   int64_t *need) {
+                                   int64_t saved_bytes, int64_t *need) {
     ULY__CHECK(l, ULY_EINVAL, "layer is NULL");
     const uly_plan *p = l->plan;
     const uly_comm *c = l->comm;
@@ -1800,6 +1814,9 @@ static uly_status uly__check_layer(const uly_layer *l, int backward, const void 
                "layer.workspace_bytes (%lld) < uly_layer_workspace() (%lld)",
                ULY__LL(l->workspace_bytes), ULY__LL(*need));
     ULY__CHECK(saved, ULY_EINVAL, "saved is NULL (uly_saved_bytes() is %lld bytes)",
+               ULY__LL(uly_saved_bytes(p)));
+    ULY__CHECK(saved_bytes >= uly_saved_bytes(p), ULY_EINVAL,
+               "saved_bytes (%lld) < uly_saved_bytes() (%lld)", ULY__LL(saved_bytes),
                ULY__LL(uly_saved_bytes(p)));
     return uly__ok();
 }
@@ -1876,30 +1893,30 @@ static uly_status uly__check_apart(const uly_layer *l, int backward, const void 
 
 /* Checks the layer, saved and the four sequence-layout tensors t of a forward (q, k, v, out) or
    backward (dout, dq, dk, dv), each against the exchange it goes through, then lays out s. */
-static uly_status uly__begin(const uly_layer *l, int backward, void *saved,
+static uly_status uly__begin(const uly_layer *l, int backward, void *saved, int64_t saved_bytes,
                              const char *const names[4], const uly_tensor t[4], uly__pass *s) {
     static const uly_xchg fwd[4] = {ULY_X_Q, ULY_X_KV, ULY_X_KV, ULY_X_O};
     static const uly_xchg bwd[4] = {ULY_X_Q, ULY_X_O, ULY_X_DKV, ULY_X_DKV};
     int64_t ws = 0;
-    ULY__TRY(uly__check_layer(l, backward, saved, &ws));
+    ULY__TRY(uly__check_layer(l, backward, saved, saved_bytes, &ws));
     const uly_plan *p = l->plan;
     for (int i = 0; i < 4; i++)
         ULY__TRY(uly__check_like(names[i], t[i],
                                  uly__seq_layout(p, (backward ? bwd : fwd)[i], NULL)));
     ULY__TRY(uly__check_apart(l, backward, saved, ws, names, t));
     uly__heads_at(p, saved, &s->h);
-    uly__work_at(p, l->workspace, &s->w);
+    const int64_t attn_at = uly__work_at(p, l->workspace, &s->w);
     s->a = uly__args(l, &s->h, uly_saved_lse(p, saved), backward ? &s->w.grad : NULL,
-                     s->w.attn);
+                     s->w.attn, l->workspace_bytes - attn_at);
     return l->attn.check ? l->attn.check(l->attn.ctx, &s->a, backward) : uly__ok();
 }
 
 ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
-                              uly_tensor out, void *saved) {
+                              uly_tensor out, void *saved, int64_t saved_bytes) {
     static const char *const names[4] = {"q", "k", "v", "out"};
     const uly_tensor t[4] = {q, k, v, out};
     uly__pass s;
-    ULY__TRY(uly__begin(l, 0, saved, names, t, &s));
+    ULY__TRY(uly__begin(l, 0, saved, saved_bytes, names, t, &s));
     ULY__TRY(uly__exchange(l, ULY_X_Q, q, s.h.q, &s.w));
     ULY__TRY(uly__exchange(l, ULY_X_KV, k, s.h.k, &s.w));
     ULY__TRY(uly__exchange(l, ULY_X_KV, v, s.h.v, &s.w));
@@ -1908,11 +1925,11 @@ ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, ul
 }
 
 ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *saved,
-                               uly_tensor dq, uly_tensor dk, uly_tensor dv) {
+                               int64_t saved_bytes, uly_tensor dq, uly_tensor dk, uly_tensor dv) {
     static const char *const names[4] = {"dout", "dq", "dk", "dv"};
     const uly_tensor t[4] = {dout, dq, dk, dv};
     uly__pass s;
-    ULY__TRY(uly__begin(l, 1, (void *)saved /* only read */, names, t, &s));
+    ULY__TRY(uly__begin(l, 1, (void *)saved /* only read */, saved_bytes, names, t, &s));
     ULY__TRY(uly__exchange(l, ULY_X_Q, dout, s.w.grad.o, &s.w));
     ULY__TRY(uly__attend(l, &s.a, 1));
     ULY__TRY(uly__exchange(l, ULY_X_O, s.w.grad.q, dq, &s.w));

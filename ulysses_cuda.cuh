@@ -32,10 +32,11 @@
        L.causal = 1;
        L.workspace_bytes = uly_layer_workspace(&L);
        cudaMalloc(&L.workspace, L.workspace_bytes);
-       cudaMalloc(&saved, uly_saved_bytes(&plan));
+       int64_t nsaved = uly_saved_bytes(&plan);
+       cudaMalloc(&saved, nsaved);
        uly_qkv_views(d_qkv, ULY_BF16, B, S_r, H, Hkv, D, &q, &k, &v);  // llm.c's fused QKV
-       st = uly_forward(&L, q, k, v, out, saved);
-       st = uly_backward(&L, dout, saved, dq, dk, dv);
+       st = uly_forward(&L, q, k, v, out, saved, nsaved);
+       st = uly_backward(&L, dout, saved, nsaved, dq, dk, dv);
 
    WHAT IS HERE
        Layout kernels: every exchange is one launch of one kernel, a strided box copy. bf16,
@@ -967,7 +968,7 @@ __global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_kv(const uly__r
 
 static int64_t uly__ref_workspace(void *ctx, const uly_attn_args *a) {
     (void)ctx;
-    return a->q.b * a->q.h * a->q.s * (int64_t)sizeof(float);
+    return uly__mul(uly__mul(uly__mul(a->q.b, a->q.h), a->q.s), 4); /* Dsum */
 }
 
 /* The contract's checks, then the parameters every kernel reads. */
@@ -978,8 +979,7 @@ static uly_status uly__ref_params_of(const uly_attn_args *a, int backward, uly__
     ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535 && a->k.h <= 65535, ULY_EUNSUPPORTED,
                "reference attention: q.b (%lld), q.h (%lld) and k.h (%lld) must be <= 65535 "
                "(grid dims)", ULY__LL(a->q.b), ULY__LL(a->q.h), ULY__LL(a->k.h));
-    ULY__CHECK(!backward || (a->workspace && (uintptr_t)a->workspace % 4 == 0), ULY_EINVAL,
-               "reference attention: workspace is NULL or not 4-byte aligned (it holds floats)");
+    if (backward) ULY__TRY(uly__check_workspace(a, uly__ref_workspace(NULL, a), 4)); /* Dsum */
     p->q = a->q, p->k = a->k, p->v = a->v, p->o = a->o;
     p->dout = a->dout, p->dq = a->dq, p->dk = a->dk, p->dv = a->dv;
     p->lse = a->lse;
@@ -2066,8 +2066,7 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     ULY__CHECK(a->softmax_scale >= 0, ULY_EUNSUPPORTED,
                "softmax_scale (%g): the flash kernels take a positive scale (0: 1/sqrt(D))",
                (double)a->softmax_scale);
-    ULY__CHECK(!backward || (a->workspace && (uintptr_t)a->workspace % 16 == 0), ULY_EINVAL,
-               "workspace is NULL or not 16-byte aligned (workspace() gives its bytes)");
+    if (backward) ULY__TRY(uly__check_workspace(a, uly__fa_workspace(NULL, a), 16));
     ULY__CHECK(!vl || ((uintptr_t)vl->cu_seqlens_q % 4 == 0 &&
                        (uintptr_t)vl->cu_seqlens_k % 4 == 0),
                ULY_EINVAL, "varlen: cu_seqlens_q and cu_seqlens_k must be 4-byte aligned (int32)");
@@ -2453,11 +2452,10 @@ static uly_status uly__lt_check(void *ctx, const uly_attn_args *a, int backward)
                "dtype %s: the cuBLASLt attention takes bf16 or fp16", uly__dtype_name(a->q.dtype));
     ULY__CHECK(a->q.d <= 256 && a->q.d % 8 == 0, ULY_EUNSUPPORTED,
                "q.d (%lld): the cuBLASLt attention takes D <= 256, D %% 8 == 0", ULY__LL(a->q.d));
-    ULY__CHECK(a->workspace && (uintptr_t)a->workspace % 256 == 0, ULY_EINVAL,
-               "workspace is NULL or not 256-byte aligned, as cudaMalloc's are (workspace() "
-               "gives its bytes)");
     ULY__CHECK(uly__lt_workspace(ctx, a) > 0, ULY_EOVERFLOW, "the workspace's bytes overflow "
                "int64 (%lld x %lld scores per query head)", ULY__LL(a->q.s), ULY__LL(a->k.s));
+    /* 256: cudaMalloc's alignment, which the fp32 scores and cuBLASLt's own part need */
+    ULY__TRY(uly__check_workspace(a, uly__lt_workspace(ctx, a), 256));
     ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED, "q.b (%lld), q.h (%lld): at "
                "most 65535 each (the grid of the Dsum pass)", ULY__LL(a->q.b), ULY__LL(a->q.h));
     ULY__CHECK(uly__mul(uly__lt_group(a), a->q.s) <= INT_MAX && a->k.s <= INT_MAX,

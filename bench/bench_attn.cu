@@ -72,7 +72,8 @@ int main(int argc, char **argv) {
                 a.causal = causal;
                 CUDA_OK(cudaMalloc((void **)&a.lse, (size_t)(B * H * S) * 4));
                 const uly_attn fa = uly_flash_attention();
-                CUDA_OK(cudaMalloc(&a.workspace, (size_t)fa.workspace(fa.ctx, &a)));
+                a.workspace_bytes = fa.workspace(fa.ctx, &a);
+                CUDA_OK(cudaMalloc(&a.workspace, (size_t)a.workspace_bytes));
                 bench_ok(fa.fwd(fa.ctx, &a), "forward");
                 bench_ok(fa.bwd(fa.ctx, &a), "backward");
                 const double fwd = bench_median_ms(0, 2, 10, [&] { fa.fwd(fa.ctx, &a); });

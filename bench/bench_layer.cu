@@ -87,13 +87,14 @@ static void rank_main(const uly_comm *comm, void *user) {
     L.workspace_bytes = uly_layer_workspace(&L);
     void *saved;
     CUDA_OK(cudaMalloc(&L.workspace, (size_t)L.workspace_bytes));
-    CUDA_OK(cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan)));
+    const int64_t nsaved = uly_saved_bytes(&plan);
+    CUDA_OK(cudaMalloc(&saved, (size_t)nsaved));
 
     for (int run = -WARMUP; run < RUNS; run++) {
-        bench_ok(uly_forward(&L, q, k, v, out, saved), "uly_forward");
+        bench_ok(uly_forward(&L, q, k, v, out, saved, nsaved), "uly_forward");
         if (comm->rank == 0 && run >= 0) add_up(&t, b->fwd[run]);
         t.n = 0;
-        bench_ok(uly_backward(&L, dout, saved, dq, dk, dv), "uly_backward");
+        bench_ok(uly_backward(&L, dout, saved, nsaved, dq, dk, dv), "uly_backward");
         if (comm->rank == 0 && run >= 0) add_up(&t, b->bwd[run]);
         t.n = 0;
     }

@@ -181,7 +181,8 @@ static uly_status reference(demo *d, const uly_comm *c, double *seconds) {
     a.dk = group_view(d, d->rdk, 0, kv), a.dv = group_view(d, d->rdv, 0, kv);
     a.causal = d->causal;
     a.lse = alloc(d->B * a.q.h * d->S);
-    a.workspace = malloc((size_t)attn.workspace(attn.ctx, &a));
+    a.workspace_bytes = attn.workspace(attn.ctx, &a);
+    a.workspace = malloc((size_t)a.workspace_bytes);
     double t0 = now();
     st = attn.fwd(attn.ctx, &a);
     if (!st.code) st = attn.bwd(attn.ctx, &a);
@@ -214,18 +215,20 @@ static void run_rank(const uly_comm *c, void *user) {
     L.causal = d->causal, L.on_phase = on_phase;
     L.workspace_bytes = uly_layer_workspace(&L);
     L.workspace = malloc((size_t)L.workspace_bytes);
-    void *saved = malloc((size_t)uly_saved_bytes(&plan));
+    const int64_t nsaved = uly_saved_bytes(&plan);
+    void *saved = malloc((size_t)nsaved);
     uly_range t = uly_tokens(&plan, plan.sp_rank);
 
     L.phase_user = &fwd_t;
     double t0 = now();
     st = uly_forward(&L, tokens(d, d->q, d->H, t), tokens(d, d->k, d->Hkv, t),
-                     tokens(d, d->v, d->Hkv, t), tokens(d, d->out, d->H, t), saved);
+                     tokens(d, d->v, d->Hkv, t), tokens(d, d->out, d->H, t), saved, nsaved);
     double t1 = now();
     L.phase_user = &bwd_t;
     if (!st.code)
-        st = uly_backward(&L, tokens(d, d->dout, d->H, t), saved, tokens(d, d->dq, d->H, t),
-                          tokens(d, d->dk, d->Hkv, t), tokens(d, d->dv, d->Hkv, t));
+        st = uly_backward(&L, tokens(d, d->dout, d->H, t), saved, nsaved,
+                          tokens(d, d->dq, d->H, t), tokens(d, d->dk, d->Hkv, t),
+                          tokens(d, d->dv, d->Hkv, t));
     double t2 = now();
     free(L.workspace);
     free(saved);

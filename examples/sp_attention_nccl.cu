@@ -169,9 +169,10 @@ int main(int argc, char **argv) {
     L.workspace_bytes = uly_layer_workspace(&L);
     void *saved;
     CUDA_OK(cudaMalloc(&L.workspace, (size_t)L.workspace_bytes));
-    CUDA_OK(cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan)));
-    ulysses_ok(uly_forward(&L, q_r, k_r, v_r, out_r, saved), "uly_forward");
-    ulysses_ok(uly_backward(&L, dout_r, saved, dq_r, dk_r, dv_r), "uly_backward");
+    const int64_t nsaved = uly_saved_bytes(&plan);
+    CUDA_OK(cudaMalloc(&saved, (size_t)nsaved));
+    ulysses_ok(uly_forward(&L, q_r, k_r, v_r, out_r, saved, nsaved), "uly_forward");
+    ulysses_ok(uly_backward(&L, dout_r, saved, nsaved, dq_r, dk_r, dv_r), "uly_backward");
     ulysses_ok(uly_nccl_wait(sp, stream, 60.0), "the layer's stream");
 
     /* The same flash attention, unsharded, on this GPU. */
@@ -180,7 +181,8 @@ int main(int argc, char **argv) {
     a.q = q, a.k = k, a.v = v, a.o = out, a.dout = dout, a.dq = dq, a.dk = dk, a.dv = dv;
     a.causal = 1, a.stream = stream;
     CUDA_OK(cudaMalloc((void **)&a.lse, (size_t)B * H * S * sizeof(float)));
-    CUDA_OK(cudaMalloc(&a.workspace, (size_t)L.attn.workspace(L.attn.ctx, &a)));
+    a.workspace_bytes = L.attn.workspace(L.attn.ctx, &a);
+    CUDA_OK(cudaMalloc(&a.workspace, (size_t)a.workspace_bytes));
     ulysses_ok(L.attn.fwd(L.attn.ctx, &a), "unsharded forward");
     ulysses_ok(L.attn.bwd(L.attn.ctx, &a), "unsharded backward");
     CUDA_OK(cudaStreamSynchronize(stream));

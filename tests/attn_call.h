@@ -32,6 +32,7 @@ static inline uly_status attn_run(uly_attn_args a, int backward) {
     uly_attn attn = uly_cpu_attention();
     int64_t ws = attn.workspace(attn.ctx, &a);
     a.workspace = malloc((size_t)(ws > 0 ? ws : 1));
+    a.workspace_bytes = ws;
     uly_status st = attn.fwd(attn.ctx, &a);
     if (!st.code && backward) st = attn.bwd(attn.ctx, &a);
     free(a.workspace);

@@ -298,6 +298,7 @@ static bool run_kernels(const fcase &c, const std::vector<int> &cu_q, const std:
     cudaMalloc((void **)&a.lse, (size_t)(nlse > 0 ? nlse : 1) * 4);
     const int64_t ws = fa.workspace(fa.ctx, &a);
     cudaMalloc(&a.workspace, (size_t)(ws > 0 ? ws : 1));
+    a.workspace_bytes = ws;
 
     uly_varlen vl;
     int32_t *cu = NULL;
@@ -363,7 +364,7 @@ static outputs run_cpu(const fcase &c, const inputs &in) {
     a.q_head0 = c.q_head0, a.kv_group = c.kv_group;
     const uly_attn cpu = uly_cpu_attention();
     std::vector<char> ws((size_t)cpu.workspace(cpu.ctx, &a) + 1);
-    a.workspace = ws.data();
+    a.workspace = ws.data(), a.workspace_bytes = (int64_t)ws.size();
     uly_status st = cpu.fwd(cpu.ctx, &a);
     if (!st.code) st = cpu.bwd(cpu.ctx, &a);
     CHECK(st.code == ULY_OK, "cpu attention: %s", st.msg);

@@ -182,13 +182,14 @@ static inline uly_status sp_run_rank(const uly_comm *comm, int world_size, int r
     L.causal = c->causal;
     L.workspace_bytes = uly_layer_workspace(&L);
     L.workspace = malloc((size_t)(L.workspace_bytes > 0 ? L.workspace_bytes : 1));
-    void *saved = malloc((size_t)(uly_saved_bytes(&plan) > 0 ? uly_saved_bytes(&plan) : 1));
+    const int64_t nsaved = uly_saved_bytes(&plan);
+    void *saved = malloc((size_t)(nsaved > 0 ? nsaved : 1));
 
-    st = uly_forward(&L, s.q, s.k, s.v, s.o, saved);
+    st = uly_forward(&L, s.q, s.k, s.v, s.o, saved, nsaved);
     if (!st.code) {
         sp_shard_store(&s, c, f, 0);
         sp_shard_store_lse(&s, c, uly_saved_lse(&plan, saved), f);
-        st = uly_backward(&L, s.dO, saved, s.dq, s.dk, s.dv);
+        st = uly_backward(&L, s.dO, saved, nsaved, s.dq, s.dk, s.dv);
     }
     if (!st.code) sp_shard_store(&s, c, f, 1);
     free(L.workspace), free(saved);

@@ -84,7 +84,8 @@ static uly_status gpu_attention(const sp_case *c, uly_dtype t, sp_full *f, int b
     a.softmax_scale = c->scale;
     a.causal = c->causal;
     cudaMalloc(&lse, (size_t)sp_nlse(c) * 4);
-    cudaMalloc(&ws, (size_t)attn.workspace(attn.ctx, &a) + 1);
+    a.workspace_bytes = attn.workspace(attn.ctx, &a) + 1;
+    cudaMalloc(&ws, (size_t)a.workspace_bytes);
     a.lse = (float *)lse;
     a.workspace = ws;
     uly_status st = attn.fwd(attn.ctx, &a);
@@ -204,15 +205,16 @@ static uly_status gpu_run_rank(const uly_comm *comm, job *j) {
     L.workspace_bytes = uly_layer_workspace(&L);
     void *saved = NULL;
     cudaMalloc(&L.workspace, (size_t)L.workspace_bytes + 1);
-    cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan) + 1);
+    const int64_t nsaved = uly_saved_bytes(&plan) + 1;
+    cudaMalloc(&saved, (size_t)nsaved);
 
 #ifdef ULY_EMU
     uly_emu_record_reset();
 #endif
     st = uly_forward(&L, on_dev(s.q, s.in, in_d, t), on_dev(s.k, s.in, in_d, t),
-                     on_dev(s.v, s.in, in_d, t), on_dev(s.o, s.out, out_d, t), saved);
+                     on_dev(s.v, s.in, in_d, t), on_dev(s.o, s.out, out_d, t), saved, nsaved);
     if (!st.code)
-        st = uly_backward(&L, on_dev(s.dO, s.dout, dout_d, t), saved,
+        st = uly_backward(&L, on_dev(s.dO, s.dout, dout_d, t), saved, nsaved,
                           on_dev(s.dq, s.grad, grad_d, t), on_dev(s.dk, s.grad, grad_d, t),
                           on_dev(s.dv, s.grad, grad_d, t));
 #ifdef ULY_EMU

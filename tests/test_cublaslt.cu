@@ -174,7 +174,7 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
     alignas(256) char buf[64];
     a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 1, 12);
     a.k = a.v = a.dk = a.dv = a.q;
-    a.lse = (float *)buf, a.workspace = buf;
+    a.lse = (float *)buf, a.workspace = buf, a.workspace_bytes = INT64_MAX; /* never used */
     uly_status st = lt.fwd(lt.ctx, &a);
     CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "D <= 256, D % 8 == 0"), "D = 12: '%s'",
           st.msg);
@@ -186,7 +186,11 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
     a.workspace = buf + 16; /* fp32 scores and cuBLASLt's own part need cudaMalloc's alignment */
     st = lt.fwd(lt.ctx, &a);
     CHECK(st.code == ULY_EINVAL && strstr(st.msg, "not 256-byte aligned"), "'%s'", st.msg);
-    a.workspace = buf; /* 65536 heads of one element each: a view, never read */
+    a.workspace = buf, a.workspace_bytes = lt.workspace(lt.ctx, &a) - 1;
+    st = lt.fwd(lt.ctx, &a);
+    CHECK(st.code == ULY_EINVAL && strstr(st.msg, "workspace_bytes"), "a byte short: '%s'",
+          st.msg);
+    a.workspace_bytes = INT64_MAX; /* 65536 heads of one element each: a view, never read */
     a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 65536, 8);
     a.q.sh = a.o.sh = a.dout.sh = a.dq.sh = 8;
     a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, 1, 1, 1, 8);
@@ -236,7 +240,8 @@ TEST(flash_backward_beyond_the_gpus_shared_memory_is_a_named_error_and_cublaslt_
     a.dk = uly_dense(t[6], ULY_BF16, 1, 1, 1, D), a.dv = uly_dense(t[7], ULY_BF16, 1, 1, 1, D);
     cudaMalloc((void **)&a.lse, 4);
     const uly_attn fa = uly_flash_attention(), lt = uly_cublaslt_attention(lt_handle());
-    cudaMalloc(&a.workspace, (size_t)std::max(fa.workspace(fa.ctx, &a), lt.workspace(lt.ctx, &a)));
+    a.workspace_bytes = std::max(fa.workspace(fa.ctx, &a), lt.workspace(lt.ctx, &a));
+    cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
     uly_emu_set_smem_optin(SMALL);
     const uly_status fwd = fa.fwd(fa.ctx, &a), bwd = fa.bwd(fa.ctx, &a);
     const uly_status lt_bwd = lt.bwd(lt.ctx, &a);

@@ -599,12 +599,13 @@ static void bad_main(const uly_comm *comm, void *user) {
     L.layout = uly_cuda_layout();
     L.workspace_bytes = uly_layer_workspace(&L);
     cudaMalloc(&L.workspace, (size_t)L.workspace_bytes);
-    cudaMalloc(&saved, (size_t)uly_saved_bytes(&plan));
+    const int64_t nsaved = uly_saved_bytes(&plan);
+    cudaMalloc(&saved, (size_t)nsaved);
     int64_t Sr = uly_tokens(&plan, plan.sp_rank).count - j->wrong_shape;
     uly_tensor q = uly_dense(buf, ULY_BF16, B, Sr, 4, D);
     void *ws = L.workspace;
     if (j->null_workspace) L.workspace = NULL;
-    j->st[comm->rank] = uly_forward(&L, q, q, q, q, saved);
+    j->st[comm->rank] = uly_forward(&L, q, q, q, q, saved, nsaved);
     cudaFree(ws), cudaFree(saved), cudaFree(buf);
 }
 

@@ -226,6 +226,7 @@ typedef struct fixture {
         dv[FB * FSR * FHKV * FD];
     uly_tensor tq, tk, tv, to, tdo, tdq, tdk, tdv;
     void *saved, *saved_buf, *ws;
+    int64_t saved_bytes;
 } fixture;
 
 static void fixture_init(fixture *f) {
@@ -247,7 +248,8 @@ static void fixture_init(fixture *f) {
     f->L.workspace_bytes = uly_layer_workspace(&f->L);
     f->ws = malloc((size_t)(f->L.workspace_bytes > 0 ? f->L.workspace_bytes : 1));
     f->L.workspace = f->ws;
-    f->saved = f->saved_buf = malloc((size_t)uly_saved_bytes(&f->plan));
+    f->saved_bytes = uly_saved_bytes(&f->plan);
+    f->saved = f->saved_buf = malloc((size_t)f->saved_bytes);
     f->tq = uly_dense(f->q, ULY_F32, FB, FSR, FH, FD);
     f->tk = uly_dense(f->k, ULY_F32, FB, FSR, FHKV, FD);
     f->tv = uly_dense(f->v, ULY_F32, FB, FSR, FHKV, FD);
@@ -262,9 +264,11 @@ static void fixture_free(fixture *f) {
     free(f->saved_buf);
 }
 
-static uly_status fwd(fixture *f) { return uly_forward(&f->L, f->tq, f->tk, f->tv, f->to, f->saved); }
+static uly_status fwd(fixture *f) {
+    return uly_forward(&f->L, f->tq, f->tk, f->tv, f->to, f->saved, f->saved_bytes);
+}
 static uly_status bwd(fixture *f) {
-    return uly_backward(&f->L, f->tdo, f->saved, f->tdq, f->tdk, f->tdv);
+    return uly_backward(&f->L, f->tdo, f->saved, f->saved_bytes, f->tdq, f->tdk, f->tdv);
 }
 
 /* Each breaks one thing of a fresh fixture and makes the call. */
@@ -288,6 +292,18 @@ static uly_status f_ws_small(fixture *f) { f->L.workspace_bytes -= 1; return fwd
 static uly_status f_attn_null(fixture *f) { f->L.attn.fwd = NULL; return fwd(f); }
 static uly_status f_layout_null(fixture *f) { f->L.layout.pack = NULL; return fwd(f); }
 static uly_status f_saved_null(fixture *f) { f->saved = NULL; return fwd(f); }
+static uly_status f_saved_small(fixture *f) { f->saved_bytes -= 1; return fwd(f); }
+/* saved sized for a plan of fewer tokens, as a buffer kept across a change of seq_len would be
+   (a quarter of them: the parts of saved are padded to 256 bytes) */
+static uly_status b_saved_of_fewer_tokens(fixture *f) {
+    uly_plan fewer;
+    uly_plan_desc d = f->plan.desc;
+    d.seq_len /= 4;
+    uly_status st = uly_plan_init(&fewer, &d);
+    CHECK(st.code == ULY_OK, "plan of seq_len %lld: %s", (long long)d.seq_len, st.msg);
+    f->saved_bytes = uly_saved_bytes(&fewer);
+    return bwd(f);
+}
 static uly_status f_layout_device(fixture *f) { f->L.layout.device = 1; return fwd(f); }
 static uly_status f_attn_device(fixture *f) { f->L.attn.device = 1; return fwd(f); }
 /* A bf16 plan and tensors the layer takes, but the CPU attention computes in f32 only. */
@@ -352,6 +368,8 @@ static const layer_bad layer_table[] = {
     {"forward: attn.fwd NULL", f_attn_null, ULY_EINVAL, "attn.fwd"},
     {"forward: layout.pack NULL", f_layout_null, ULY_EINVAL, "layout.pack"},
     {"forward: saved NULL", f_saved_null, ULY_EINVAL, "saved"},
+    {"forward: saved one byte short", f_saved_small, ULY_EINVAL,
+     "saved_bytes (1791) < uly_saved_bytes() (1792)"},
     {"forward: layout on GPU memory, comm on host", f_layout_device, ULY_EINVAL, "device"},
     {"forward: attention on GPU memory, comm on host", f_attn_device, ULY_EINVAL, "device"},
     {"forward: bf16 into the f32-only CPU attention", f_attn_refuses, ULY_EUNSUPPORTED, "f32"},
@@ -370,6 +388,8 @@ static const layer_bad layer_table[] = {
     {"backward: attn.bwd NULL", b_attn_null, ULY_EINVAL, "attn.bwd"},
     {"backward: workspace of 8 bytes", b_ws_small, ULY_EINVAL, "workspace"},
     {"backward: saved NULL", b_saved_null, ULY_EINVAL, "saved"},
+    {"backward: saved sized for a quarter of the tokens", b_saved_of_fewer_tokens, ULY_EINVAL,
+     "saved_bytes (1280) < uly_saved_bytes() (1792)"},
     {"backward: comm size 1, sp_size 2", b_comm_size, ULY_EINVAL, "comm"},
     {"backward: the attention's check refuses", b_attn_refuses, ULY_EUNSUPPORTED, "backward 1"},
 };
@@ -584,6 +604,20 @@ TEST(cpu_attention_refuses_a_broken_contract_instead_of_reading_out_of_bounds) {
     a.k.h = 3, a.v.h = 3;
     check_status(attn.fwd(attn.ctx, &a), ULY_EINVAL, "k.h", "fwd with k.h = 3");
     check_status(attn.bwd(attn.ctx, &a), ULY_EINVAL, "k.h", "bwd with k.h = 3");
+}
+
+/* A workspace sized for other args (here: fewer keys) is refused, not overrun. */
+TEST(cpu_attention_refuses_a_workspace_smaller_than_its_args_need) {
+    uly_attn attn = uly_cpu_attention();
+    uly_attn_args a = good_args(), fewer = good_args();
+    fewer.k.s = fewer.v.s = AS - 1;
+    a.workspace_bytes = attn.workspace(attn.ctx, &fewer);
+    a.workspace = malloc((size_t)a.workspace_bytes);
+    CHECK(a.workspace_bytes < attn.workspace(attn.ctx, &a), "sizes %lld, %lld",
+          (long long)a.workspace_bytes, (long long)attn.workspace(attn.ctx, &a));
+    check_status(attn.fwd(attn.ctx, &a), ULY_EINVAL, "workspace_bytes", "fwd, 4 keys' workspace");
+    check_status(attn.bwd(attn.ctx, &a), ULY_EINVAL, "workspace_bytes", "bwd, 4 keys' workspace");
+    free(a.workspace);
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -450,7 +450,8 @@ static void expect_trap(const std::vector<int> &cu_q, const std::vector<int> &cu
     a.dout = x[4].t, a.dk = x[5].t, a.dv = x[6].t, a.dq = x[7].t;
     cudaMalloc((void **)&a.lse, (size_t)(H * nq * 4));
     const uly_attn fa = uly_flash_attention();
-    cudaMalloc(&a.workspace, (size_t)std::max<int64_t>(16, fa.workspace(fa.ctx, &a)));
+    a.workspace_bytes = std::max<int64_t>(16, fa.workspace(fa.ctx, &a));
+    cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
     int32_t *cu = NULL;
     uly_varlen vl = varlen_on_device(cu_q, cu_k, &cu);
     vl.max_seqlen_q = max_q, vl.max_seqlen_k = max_k;
@@ -536,7 +537,8 @@ static flash_args valid_args(int64_t B, int64_t S, int64_t H) {
     for (int i = 0; i < 8; i++) f.x[i] = dev_alloc(ULY_BF16, B, S, H, 64, 1), *t[i] = f.x[i].t;
     cudaMalloc((void **)&f.a.lse, (size_t)(B * H * S * 4));
     const uly_attn fa = uly_flash_attention();
-    cudaMalloc(&f.a.workspace, (size_t)fa.workspace(fa.ctx, &f.a));
+    f.a.workspace_bytes = fa.workspace(fa.ctx, &f.a);
+    cudaMalloc(&f.a.workspace, (size_t)f.a.workspace_bytes);
     return f;
 }
 
@@ -571,19 +573,28 @@ TEST(rejects_a_negative_softmax_scale) {
     free_args(f);
 }
 
-/* The backward keeps Dsum and the fp32 dQ accumulator in the workspace, which must be there and
-   16-byte aligned; the forward uses none. */
-TEST(backward_rejects_a_null_or_misaligned_workspace) {
+/* The backward keeps Dsum and the fp32 dQ accumulator in the workspace, which must be there,
+   16-byte aligned and as big as workspace() says for these args; the forward uses none. A
+   workspace sized in deterministic mode has no room for the accumulator the other mode adds. */
+TEST(backward_rejects_a_null_misaligned_or_short_workspace) {
     flash_args f = valid_args(2, 16, 2);
     const uly_attn fa = uly_flash_attention();
     void *const ws = f.a.workspace;
+    const int64_t bytes = f.a.workspace_bytes;
     f.a.workspace = NULL;
     expect_status(fa.bwd(fa.ctx, &f.a), ULY_EINVAL, "workspace", "backward, NULL workspace");
     expect_status(fa.fwd(fa.ctx, &f.a), ULY_OK, "", "forward, NULL workspace");
     f.a.workspace = (char *)ws + 8;
-    expect_status(fa.bwd(fa.ctx, &f.a), ULY_EINVAL, "workspace", "backward, workspace + 8 bytes");
+    expect_status(fa.bwd(fa.ctx, &f.a), ULY_EINVAL, "16-byte", "backward, workspace + 8 bytes");
+    f.a.workspace = ws, f.a.workspace_bytes = bytes - 1;
+    expect_status(fa.bwd(fa.ctx, &f.a), ULY_EINVAL, "workspace_bytes", "backward, a byte short");
+    f.a.deterministic = 1, f.a.workspace_bytes = fa.workspace(fa.ctx, &f.a);
+    f.a.deterministic = 0;
+    CHECK(f.a.workspace_bytes < bytes, "deterministic size %lld, atomic %lld",
+          (long long)f.a.workspace_bytes, (long long)bytes);
+    expect_status(fa.bwd(fa.ctx, &f.a), ULY_EINVAL, "workspace_bytes",
+                  "backward, sized for deterministic mode");
     CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
-    f.a.workspace = ws;
     free_args(f);
 }
 
