@@ -346,10 +346,10 @@ $(BUILD)/gpu/test_flash: tests/test_flash.cu $(FLASH_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
 
-$(BUILD)/emu/cublaslt_emu.o: tests/emu/cublaslt_emu.cpp tests/emu/cublaslt_emu.h
+$(BUILD)/emu/cublaslt_emu.o: tests/emu/cublaslt_emu.cpp tests/emu/cublaslt_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
-$(BUILD)/asan/emu/cublaslt_emu.o: tests/emu/cublaslt_emu.cpp tests/emu/cublaslt_emu.h
+$(BUILD)/asan/emu/cublaslt_emu.o: tests/emu/cublaslt_emu.cpp tests/emu/cublaslt_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
 $(BUILD)/test_cublaslt: tests/test_cublaslt.cu tests/emu/cublaslt_emu.h $(FLASH_HDRS) $(EMU_OBJ) \

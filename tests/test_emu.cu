@@ -1044,6 +1044,99 @@ TEST(runtime_streams_events_and_copies) {
 }
 
 #ifdef ULY_EMU
+// ---------------------------------------------------------------------------------------------
+// Streams run their work after the call that queues it, each in order, on a worker of its own.
+// A stalled stream (uly_emu_stall_stream) holds its work still, so a test can look at device
+// memory (host memory here) before and after the work runs.
+
+__global__ void scale_add(int *x, int mul, int add) { *x = *x * mul + add; }
+
+static int peek(const int *d) {  // device memory read in place: emulator only
+    return *(const volatile int *)d;
+}
+
+TEST(stream_work_runs_after_its_call_in_queue_order) {
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    int *x = device_zeros<int>(1);
+    uly_emu_stall_stream(s, true);
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 1);
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 10, 2);
+    CHECK(cudaGetLastError() == cudaSuccess, "launch");
+    CHECK(peek(x) == 0 && cudaStreamQuery(s) == cudaErrorNotReady, "ran while queued: %d",
+          peek(x));
+    uly_emu_stall_stream(s, false);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess && cudaStreamQuery(s) == cudaSuccess, "sync");
+    CHECK(peek(x) == 12, "x = %d, want (0 + 1) * 10 + 2", peek(x));
+    cudaFree(x);
+    cudaStreamDestroy(s);
+}
+
+// b copies what a computes: with the event between them the copy waits for a, without it the
+// copy reads what was there before, as on a GPU whose a is still busy.
+TEST(an_event_orders_work_across_streams_and_its_absence_shows) {
+    cudaStream_t a, b;
+    cudaEvent_t done;
+    cudaStreamCreate(&a), cudaStreamCreate(&b), cudaEventCreate(&done);
+    int *x = device_zeros<int>(1), *y = device_zeros<int>(1);
+    uly_emu_stall_stream(a, true);
+    ULY_LAUNCH(scale_add, 1, 1, 0, a, x, 1, 5);
+    cudaEventRecord(done, a);
+    cudaStreamWaitEvent(b, done, 0);
+    cudaMemcpyAsync(y, x, sizeof(int), cudaMemcpyDeviceToDevice, b);
+    CHECK(cudaStreamQuery(b) == cudaErrorNotReady && peek(y) == 0, "b went on: y = %d", peek(y));
+    uly_emu_stall_stream(a, false);
+    CHECK(cudaStreamSynchronize(b) == cudaSuccess && peek(y) == 5, "with the event: y = %d",
+          peek(y));
+    uly_emu_stall_stream(a, true);
+    ULY_LAUNCH(scale_add, 1, 1, 0, a, x, 1, 2);
+    cudaMemcpyAsync(y, x, sizeof(int), cudaMemcpyDeviceToDevice, b);
+    CHECK(cudaStreamSynchronize(b) == cudaSuccess && peek(y) == 5, "without: y = %d", peek(y));
+    uly_emu_stall_stream(a, false);
+    cudaStreamSynchronize(a);
+    CHECK(peek(x) == 7, "x = %d", peek(x));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, done, done) == cudaSuccess, "a reached event");
+    cudaFree(x), cudaFree(y);
+    cudaEventDestroy(done), cudaStreamDestroy(a), cudaStreamDestroy(b);
+}
+
+// The synchronous calls run on the legacy stream, after the work of every stream.
+TEST(synchronous_copies_wait_for_every_stream) {
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    int *x = device_zeros<int>(1);
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 3);
+    CHECK(download(x, 1)[0] == 3, "cudaMemcpy read %d before the kernel", download(x, 1)[0]);
+    cudaFree(x);
+    cudaStreamDestroy(s);
+}
+
+// A fault ends a GPU's context; here it drops the host thread's later queued work until the
+// host takes the error, and the stream still reaches its events.
+__global__ void trap_now() { __trap(); }
+
+TEST(a_fault_drops_later_work_until_the_error_is_taken) {
+    cudaStream_t s;
+    cudaEvent_t after;
+    cudaStreamCreate(&s), cudaEventCreate(&after);
+    int *x = device_zeros<int>(1);
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(trap_now, 1, 1, 0, s);
+    CHECK(cudaGetLastError() == cudaSuccess, "the launch itself failed");
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 4);
+    cudaEventRecord(after, s);
+    CHECK(cudaEventSynchronize(after) == cudaErrorLaunchFailure, "no fault at the sync");
+    uly_emu_set_quiet(false);
+    CHECK(peek(x) == 0, "work after the fault ran: x = %d", peek(x));
+    CHECK(cudaGetLastError() == cudaErrorLaunchFailure && cudaGetLastError() == cudaSuccess,
+          "the error is taken once");
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 4);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess && peek(x) == 4, "after: x = %d", peek(x));
+    cudaFree(x);
+    cudaEventDestroy(after), cudaStreamDestroy(s);
+}
+
 TEST(device_properties_are_an_h100) {
     cudaDeviceProp p;
     CHECK(cudaGetDeviceProperties(&p, 0) == cudaSuccess, "properties");

@@ -26,6 +26,7 @@
 #include <cuda_fp16.h>
 
 #include "cublaslt_emu.h"
+#include "cuda_emu.h"
 
 #include <algorithm>
 #include <atomic>
@@ -261,7 +262,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
                               cublasLtMatrixLayout_t Bl, const void *beta, const void *C,
                               cublasLtMatrixLayout_t Cl, void *D, cublasLtMatrixLayout_t Dl,
                               const cublasLtMatmulAlgo_t *algo, void *ws, size_t,
-                              cudaStream_t) {
+                              cudaStream_t stream) {
     if (!h || !h->live) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (!d || !alpha || !beta || !A || !B || !D || !Al || !Bl || !Cl || !Dl)
         return CUBLAS_STATUS_INVALID_VALUE;
@@ -281,14 +282,16 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
     const bool ta = op.op[0] == CUBLAS_OP_T, tb = op.op[1] == CUBLAS_OP_T;
     const uint64_t m = o.rows, n = o.cols, k = ta ? a.rows : a.cols;
     const double al = *static_cast<const float *>(alpha), be = *static_cast<const float *>(beta);
-    for (int64_t z = 0; z < o.batch; z++)
-        for (int64_t j = 0; j < (int64_t)n; j++)
-            for (int64_t i = 0; i < (int64_t)m; i++) {
-                double sum = 0;
-                for (int64_t p = 0; p < (int64_t)k; p++)
-                    sum += at(a, A, z, ta, i, p) * at(b, B, z, tb, p, j);
-                const double prior = be != 0 ? be * at(c, C, z, false, i, j) : 0;
-                store(o.type, D, z * o.stride + i + j * o.ld, al * sum + prior);
-            }
+    uly_emu_queue(stream, [=] {  // alpha and beta are read now, the matrices when it runs
+        for (int64_t z = 0; z < o.batch; z++)
+            for (int64_t j = 0; j < (int64_t)n; j++)
+                for (int64_t i = 0; i < (int64_t)m; i++) {
+                    double sum = 0;
+                    for (int64_t p = 0; p < (int64_t)k; p++)
+                        sum += at(a, A, z, ta, i, p) * at(b, B, z, tb, p, j);
+                    const double prior = be != 0 ? be * at(c, C, z, false, i, j) : 0;
+                    store(o.type, D, z * o.stride + i + j * o.ld, al * sum + prior);
+                }
+    });
     return CUBLAS_STATUS_SUCCESS;
 }

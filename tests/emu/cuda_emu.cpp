@@ -1,6 +1,6 @@
 // cuda_emu.cpp: fibers, the block scheduler, warp operations and the CUDA runtime subset behind
 // cuda_emu.h. Sections: context switch, state, failure reports, scheduling, barriers and warp
-// operations, tensor-core and async-copy instructions, blocks and grids, runtime API.
+// operations, tensor-core and async-copy instructions, blocks and grids, streams, runtime API.
 #include "cuda_emu.h"
 
 #include <dlfcn.h>
@@ -16,6 +16,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -255,9 +256,18 @@ const Config &config() {
 // The Worker of the calling OS thread (null until it runs a block).
 __thread Worker *tw;
 
-// As in CUDA, the last error is per host thread; so is the last failure report.
-thread_local cudaError_t last_error = cudaSuccess;
-thread_local std::string last_failure;
+// What a host thread's device work reports: CUDA's last error (per host thread, as in CUDA) and
+// the last grid's failure report. The work runs on stream workers, which report into the state
+// of the host thread that queued it. A grid's failure also stops the rest of that thread's
+// queued work, as a fault ends a GPU's context, until the host takes the error
+// (cudaGetLastError): the emulator's errors are not sticky, so a test goes on.
+struct Host {
+    std::mutex m;
+    cudaError_t error = cudaSuccess;
+    bool faulted = false;
+    std::string failure;
+};
+thread_local std::shared_ptr<Host> host = std::make_shared<Host>();
 // What the host thread asked of the device (uly_emu_recorded_ops, uly_emu_recorded_allocs): per
 // host thread, as each rank thread models its own GPU; a few bytes a call until the next reset.
 thread_local std::vector<uly_emu_op> recorded_ops;
@@ -636,7 +646,7 @@ void fiber_main() {
     asan_finish(nullptr);
     Fiber *self = w.cur;
     tsan_acquire(&w.sync.start);
-    w.grid->g.run(w.grid->g.ctx);
+    w.grid->g.call();
     tsan_release(&w.sync.end);
     thread_exits(w, self);
     switch_to(w, self, pop_ready(w), true);
@@ -1164,12 +1174,15 @@ std::mutex attr_m;
 std::unordered_map<const void *, int> max_dyn_smem;  // cudaFuncSetAttribute, per kernel
 
 void set_error(cudaError_t e) {
-    if (e != cudaSuccess) last_error = e;
+    std::lock_guard<std::mutex> lock(host->m);
+    if (e != cudaSuccess) host->error = e;
 }
 
 cudaError_t take_error() {
-    cudaError_t e = last_error;
-    last_error = cudaSuccess;
+    std::lock_guard<std::mutex> lock(host->m);
+    cudaError_t e = host->error;
+    host->error = cudaSuccess;
+    host->faulted = false;
     return e;
 }
 
@@ -1185,6 +1198,168 @@ cudaError_t check_launch(const uly_emu_grid &g) {
         if (it == max_dyn_smem.end() || g.smem > (size_t)it->second) return cudaErrorInvalidValue;
     }
     return cudaSuccess;
+}
+
+
+// =============================================================================================
+// Streams. A stream is a queue and a worker thread that runs the queue in order while the host
+// goes on, as a GPU runs a stream: a host that reads a result before waiting for it, or a stream
+// that uses another's result with no event between them, reads stale memory here too (a grid
+// takes milliseconds on a CPU, so such a race is lost every time). The default stream is one such
+// stream per host thread (each rank thread of tests/emu/nccl_emu.cpp models its own GPU), named
+// by 0, cudaStreamLegacy and cudaStreamPerThread alike. Work named on the legacy handles (0 and
+// cudaStreamLegacy) and the synchronous calls (cudaMemcpy, cudaMemset, cudaFree, ...) first wait
+// for the work of every stream, then run before they return: the legacy stream's implicit
+// synchronization, made strict. A stalled stream (uly_emu_stall_stream) runs nothing until it is
+// released, and only what names it waits for it.
+
+}  // namespace
+
+struct CUstream_st {
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> work;
+    unsigned long long queued = 0, done = 0;
+    bool stalled = false, quit = false;
+    std::thread worker;
+
+    CUstream_st() : worker([this] { loop(); }) {}
+    // Runs what is queued first; a stalled stream's work is dropped.
+    ~CUstream_st() {
+        {
+            std::lock_guard<std::mutex> lock(m);
+            quit = true;
+        }
+        cv.notify_all();
+        worker.join();
+    }
+    void loop() {
+        std::unique_lock<std::mutex> lock(m);
+        for (;;) {
+            cv.wait(lock, [&] { return quit || (!stalled && !work.empty()); });
+            if (stalled || work.empty()) return;
+            std::function<void()> f = std::move(work.front());
+            work.pop_front();
+            lock.unlock();
+            f();
+            lock.lock();
+            done++;
+            cv.notify_all();
+        }
+    }
+    void push(std::function<void()> f) {
+        {
+            std::lock_guard<std::mutex> lock(m);
+            work.push_back(std::move(f));
+            queued++;
+        }
+        cv.notify_all();
+    }
+    // Waits until what was queued before the call has run; false if the stream is stalled first.
+    bool drain() {
+        std::unique_lock<std::mutex> lock(m);
+        const unsigned long long target = queued;
+        cv.wait(lock, [&] { return done >= target || stalled; });
+        return done >= target;
+    }
+    bool idle() {
+        std::lock_guard<std::mutex> lock(m);
+        return !stalled && done == queued;
+    }
+};
+
+namespace {
+
+// Every live stream, for the waits of the legacy stream. Held while draining them, so none is
+// destroyed meanwhile; stream workers never take it.
+std::mutex streams_m;
+std::vector<CUstream_st *> streams;
+
+CUstream_st *new_stream() {
+    CUstream_st *s = new CUstream_st;
+    std::lock_guard<std::mutex> lock(streams_m);
+    streams.push_back(s);
+    return s;
+}
+
+void delete_stream(CUstream_st *s) {
+    {
+        std::lock_guard<std::mutex> lock(streams_m);
+        streams.erase(std::find(streams.begin(), streams.end(), s));
+    }
+    delete s;
+}
+
+struct DefaultStream {
+    CUstream_st *s = nullptr;
+    ~DefaultStream() {
+        if (s) delete_stream(s);
+    }
+};
+thread_local DefaultStream default_stream;
+
+bool legacy(cudaStream_t s) { return !s || s == cudaStreamLegacy; }
+
+CUstream_st *stream_of(cudaStream_t s) {
+    if (!legacy(s) && s != cudaStreamPerThread) return s;
+    if (!default_stream.s) default_stream.s = new_stream();
+    return default_stream.s;
+}
+
+// Every stream's work queued so far, but a stalled stream's.
+void drain_all() {
+    std::lock_guard<std::mutex> lock(streams_m);
+    for (CUstream_st *s : streams) s->drain();
+}
+
+// A call that would wait for a stalled stream, which never drains: a hang on a GPU, so the
+// test ends here, loudly.
+void never_returns(const char *what) {
+    fprintf(stderr, "cuda_emu: %s waits for a stalled stream: it would never return\n", what);
+    abort();
+}
+
+// What the host waits for before it goes on: the stream's work, or on the legacy stream every
+// stream's.
+void wait_stream(cudaStream_t s, const char *what) {
+    if (legacy(s)) stream_of(s), drain_all();
+    if (!stream_of(s)->drain()) never_returns(what);
+}
+
+// Queues f on s; on the legacy stream it runs before queue returns (unless the stream is
+// stalled, and then when it is released).
+void queue(cudaStream_t s, std::function<void()> f) {
+    CUstream_st *q = stream_of(s);
+    if (legacy(s)) {
+        drain_all();
+        if (q->idle()) return f();
+    }
+    q->push(std::move(f));
+}
+
+// Queues device work, which reports into the calling host thread's state; after a fault that
+// thread's device runs no more of it.
+void queue_work(cudaStream_t s, std::function<void(Host &)> fn) {
+    queue(s, [h = host, fn = std::move(fn)] {
+        {
+            std::lock_guard<std::mutex> lock(h->m);
+            if (h->faulted) return;
+        }
+        fn(*h);
+    });
+}
+
+// Events: the number of records asked for and reached; a wait is for the records asked before it.
+struct Event {
+    std::mutex m;
+    std::condition_variable cv;
+    unsigned long long asked = 0, reached = 0;
+    std::chrono::steady_clock::time_point t;
+};
+
+void wait_event(Event &e, unsigned long long n) {
+    std::unique_lock<std::mutex> lock(e.m);
+    e.cv.wait(lock, [&] { return e.reached >= n; });
 }
 
 }  // namespace
@@ -1209,15 +1384,19 @@ void uly_emu_launch(const uly_emu_grid &g) {
         set_error(e);
         return;
     }
-    // Launches are numbered per host thread, so concurrent host threads replay too.
+    // Launches are numbered per host thread when queued, so concurrent host threads replay too.
     static thread_local unsigned long long launches = 0;
-    Grid grid;
-    grid.g = g;
-    grid.launch = launches++;
-    grid.nblocks = g.grid.x * g.grid.y * g.grid.z;
-    pool.run(grid);
-    last_failure = grid.report;
-    if (grid.failed) set_error(grid.err);
+    const unsigned long long launch = launches++;
+    queue_work(g.stream, [g, launch](Host &h) {
+        Grid grid;
+        grid.g = g;
+        grid.launch = launch;
+        grid.nblocks = g.grid.x * g.grid.y * g.grid.z;
+        pool.run(grid);
+        std::lock_guard<std::mutex> lock(h.m);
+        h.failure = grid.report;
+        if (grid.failed) h.error = grid.err, h.faulted = true;
+    });
 }
 
 void uly_emu_syncthreads(const char *file, int line) {
@@ -1385,7 +1564,12 @@ void __trap() {
 
 unsigned long long uly_emu_seed() { return config().seed; }
 
-const char *uly_emu_last_failure() { return last_failure.c_str(); }
+const char *uly_emu_last_failure() {
+    static thread_local std::string seen;  // a copy the caller may read while workers report
+    std::lock_guard<std::mutex> lock(host->m);
+    seen = host->failure;
+    return seen.c_str();
+}
 
 void uly_emu_set_quiet(bool q) { quiet = q; }
 
@@ -1403,17 +1587,11 @@ unsigned long long uly_emu_switches() { return total_switches; }
 unsigned long long uly_emu_ldmatrix_conflicts() { return ldmatrix_conflicts; }
 
 // =============================================================================================
-// CUDA runtime subset on host memory. Streams and events are handles (a stream holds only the
-// flag of uly_emu_stall_stream): every call is synchronous, and the stream it names is only
-// recorded (uly_emu_recorded_ops). Errors of a launch are not sticky:
+// CUDA runtime subset on host memory, on the streams above. Errors are not sticky:
 // cudaGetLastError clears them, so a test goes on.
 
-struct CUstream_st {
-    bool stalled;  // uly_emu_stall_stream
-};
-
 struct CUevent_st {
-    std::chrono::steady_clock::time_point t;
+    std::shared_ptr<Event> e = std::make_shared<Event>();  // shared with queued records and waits
 };
 
 namespace {
@@ -1438,7 +1616,10 @@ const char *error_text(cudaError_t e, bool name) {
     return name ? "cudaErrorUnknown" : "unknown error";
 }
 
-cudaError_t pending() { return last_error; }
+cudaError_t pending() {
+    std::lock_guard<std::mutex> lock(host->m);
+    return host->error;
+}
 
 // Live allocations by address and their extent, so cudaPointerGetAttributes can tell device
 // memory (cudaMalloc) and pinned host memory (cudaMallocHost) from plain host memory.
@@ -1473,30 +1654,30 @@ cudaError_t release(void *p) {
 }
 
 
-// The default stream's stall flag is per host thread: each rank thread models its own GPU.
-thread_local bool default_stalled = false;
-
-// cudaStreamLegacy and cudaStreamPerThread are handles, not objects: the default stream here.
-bool &stall_flag(cudaStream_t s) {
-    return s && s != cudaStreamLegacy && s != cudaStreamPerThread ? s->stalled : default_stalled;
-}
-
 std::atomic<size_t> smem_optin{0};  // uly_emu_set_smem_optin; 0: kSmemPerBlock
 size_t smem_optin_now() { return smem_optin ? smem_optin.load() : kSmemPerBlock; }
 
 }  // namespace
 
-void uly_emu_stall_stream(cudaStream_t s, bool stalled) { stall_flag(s) = stalled; }
+void uly_emu_stall_stream(cudaStream_t s, bool stalled) {
+    CUstream_st *q = stream_of(s);
+    {
+        std::lock_guard<std::mutex> lock(q->m);
+        q->stalled = stalled;
+    }
+    q->cv.notify_all();
+}
+
+void uly_emu_queue(cudaStream_t s, std::function<void()> work) {
+    queue_work(s, [work = std::move(work)](Host &) { work(); });
+}
+
+void uly_emu_drain(cudaStream_t s) {
+    if (legacy(s)) drain_all();
+    stream_of(s)->drain();
+}
 
 namespace {
-
-// A call that would wait for a stalled stream, which never drains: a hang on a GPU, so the
-// test ends here, loudly.
-void never_returns_if_stalled(cudaStream_t s, const char *what) {
-    if (!stall_flag(s)) return;
-    fprintf(stderr, "cuda_emu: %s waits for a stalled stream: it would never return\n", what);
-    abort();
-}
 
 bool pageable(const void *p) {
     cudaPointerAttributes a;
@@ -1510,12 +1691,19 @@ cudaError_t cudaMalloc(void **p, size_t size) {
     recorded_allocs++;
     return alloc(p, size, cudaMemoryTypeDevice);
 }
-cudaError_t cudaFree(void *p) { return release(p); }
+// As CUDA's, the frees wait for the device: no queued work still uses the memory.
+cudaError_t cudaFree(void *p) {
+    drain_all();
+    return release(p);
+}
 cudaError_t cudaMallocHost(void **p, size_t size) {
     recorded_allocs++;
     return alloc(p, size, cudaMemoryTypeHost);
 }
-cudaError_t cudaFreeHost(void *p) { return release(p); }
+cudaError_t cudaFreeHost(void *p) {
+    drain_all();
+    return release(p);
+}
 
 // As CUDA 11 and later: memory the runtime does not know is cudaMemoryTypeUnregistered, with
 // cudaSuccess. Device memory has no host alias (though here the host could read it).
@@ -1537,32 +1725,40 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *a, const void *ptr) 
     return cudaSuccess;
 }
 
+// The synchronous copies and sets run on the legacy stream: after all queued work, before they
+// return.
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind) {
     uly_emu_record_op("cudaMemcpy", 0);
+    drain_all();
     if (count) memmove(dst, src, count);
     return pending();
 }
 
-// A copy from or to pageable host memory waits for the stream first (the CUDA runtime's "API
-// synchronization behavior").
+// A copy from or to pageable host memory waits for the stream and copies before it returns (the
+// CUDA runtime's "API synchronization behavior" allows both); others are queued.
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind,
                             cudaStream_t s) {
     uly_emu_record_op("cudaMemcpyAsync", s);
-    if (count && (pageable(src) || pageable(dst)))
-        never_returns_if_stalled(s, "cudaMemcpyAsync of pageable memory");
-    if (count) memmove(dst, src, count);
+    if (!count) return pending();
+    if (pageable(src) || pageable(dst)) {
+        wait_stream(s, "cudaMemcpyAsync of pageable memory");
+        memmove(dst, src, count);
+    } else {
+        queue_work(s, [=](Host &) { memmove(dst, src, count); });
+    }
     return pending();
 }
 
 cudaError_t cudaMemset(void *p, int value, size_t count) {
     uly_emu_record_op("cudaMemset", 0);
+    drain_all();
     memset(p, value, count);
     return cudaSuccess;
 }
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t count, cudaStream_t s) {
     uly_emu_record_op("cudaMemsetAsync", s);
-    memset(p, value, count);
+    queue_work(s, [=](Host &) { memset(p, value, count); });
     return cudaSuccess;
 }
 
@@ -1570,13 +1766,16 @@ cudaError_t cudaMemset2DAsync(void *p, size_t pitch, int value, size_t width, si
                               cudaStream_t s) {
     uly_emu_record_op("cudaMemset2DAsync", s);
     if (height > 1 && pitch < width) return cudaErrorInvalidValue;
-    for (size_t r = 0; r < height; r++) memset((char *)p + r * pitch, value, width);
+    queue_work(s, [=](Host &) {
+        for (size_t r = 0; r < height; r++) memset((char *)p + r * pitch, value, width);
+    });
     return cudaSuccess;
 }
 
 cudaError_t cudaMemcpyToSymbol(const void *symbol, const void *src, size_t count, size_t offset,
                                cudaMemcpyKind) {
     uly_emu_record_op("cudaMemcpyToSymbol", 0);
+    drain_all();
     memcpy((char *)symbol + offset, src, count);
     return cudaSuccess;
 }
@@ -1584,36 +1783,48 @@ cudaError_t cudaMemcpyToSymbol(const void *symbol, const void *src, size_t count
 cudaError_t cudaMemcpyFromSymbol(void *dst, const void *symbol, size_t count, size_t offset,
                                  cudaMemcpyKind) {
     uly_emu_record_op("cudaMemcpyFromSymbol", 0);
+    drain_all();
     memcpy(dst, (const char *)symbol + offset, count);
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t *s) {
-    *s = new CUstream_st{};
+    *s = new_stream();
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return cudaStreamCreate(s); }
 
+// Returns when the stream's work has run (CUDA returns at once and releases it later).
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
-    delete s;
+    if (legacy(s) || s == cudaStreamPerThread) return cudaErrorInvalidResourceHandle;
+    delete_stream(s);
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-    never_returns_if_stalled(s, "cudaStreamSynchronize");
+    wait_stream(s, "cudaStreamSynchronize");
     return pending();
 }
 cudaError_t cudaStreamQuery(cudaStream_t s) {
-    return stall_flag(s) ? cudaErrorNotReady : pending();
+    return stream_of(s)->idle() ? pending() : cudaErrorNotReady;
 }
-cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t, unsigned) {
+// Waits for the records of e asked before this call, and for nothing recorded later.
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
     uly_emu_record_op("cudaStreamWaitEvent", s);
+    if (!e) return cudaErrorInvalidResourceHandle;
+    std::shared_ptr<Event> ev = e->e;
+    unsigned long long n;
+    {
+        std::lock_guard<std::mutex> lock(ev->m);
+        n = ev->asked;
+    }
+    queue(s, [ev, n] { wait_event(*ev, n); });
     return cudaSuccess;
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t *e) {
-    *e = new CUevent_st{std::chrono::steady_clock::now()};
+    *e = new CUevent_st;
     return cudaSuccess;
 }
 
@@ -1624,18 +1835,54 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
     return cudaSuccess;
 }
 
+// A record is reached when the stream runs it, even on a device that faulted (its waiters go on).
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     uly_emu_record_op("cudaEventRecord", s);
     if (!e) return cudaErrorInvalidResourceHandle;
-    e->t = std::chrono::steady_clock::now();
+    std::shared_ptr<Event> ev = e->e;
+    unsigned long long n;
+    {
+        std::lock_guard<std::mutex> lock(ev->m);
+        n = ++ev->asked;
+    }
+    auto reach = [ev, n] {
+        {
+            std::lock_guard<std::mutex> lock(ev->m);
+            ev->reached = std::max(ev->reached, n);
+            ev->t = std::chrono::steady_clock::now();
+        }
+        ev->cv.notify_all();
+    };
+    queue(s, reach);
     return cudaSuccess;
 }
 
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return pending(); }
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    if (!e) return cudaErrorInvalidResourceHandle;
+    std::shared_ptr<Event> ev = e->e;
+    unsigned long long n;
+    {
+        std::lock_guard<std::mutex> lock(ev->m);
+        n = ev->asked;
+    }
+    wait_event(*ev, n);
+    return pending();
+}
+
+namespace {
+// When e's last record ran; false if it has not run (or e was never recorded).
+bool reached_at(Event &e, std::chrono::steady_clock::time_point *t) {
+    std::lock_guard<std::mutex> lock(e.m);
+    *t = e.t;
+    return e.reached && e.reached == e.asked;
+}
+}  // namespace
 
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
     if (!start || !end) return cudaErrorInvalidResourceHandle;
-    *ms = std::chrono::duration<float, std::milli>(end->t - start->t).count();
+    std::chrono::steady_clock::time_point a, b;
+    if (!reached_at(*start->e, &a) || !reached_at(*end->e, &b)) return cudaErrorNotReady;
+    *ms = std::chrono::duration<float, std::milli>(b - a).count();
     return cudaSuccess;
 }
 
@@ -1643,10 +1890,14 @@ cudaError_t cudaGetLastError() { return take_error(); }
 cudaError_t cudaPeekAtLastError() { return pending(); }
 const char *cudaGetErrorString(cudaError_t e) { return error_text(e, false); }
 const char *cudaGetErrorName(cudaError_t e) { return error_text(e, true); }
-cudaError_t cudaDeviceSynchronize() { return pending(); }
+cudaError_t cudaDeviceSynchronize() {
+    drain_all();
+    return pending();
+}
 
 cudaError_t cudaDeviceReset() {
-    last_error = cudaSuccess;
+    drain_all();
+    take_error();
     return cudaSuccess;
 }
 

@@ -25,7 +25,8 @@
 // The toolkit's own headers give the runtime API declarations, vector types, dim3, bf16 and half;
 // with a host compiler they define __global__, __device__, __host__, __constant__ and
 // __launch_bounds__ as nothing. cuda_emu.cpp implements this subset of the runtime, on host
-// memory, every call synchronous:
+// memory; each stream is a queue run by a worker thread of its own, so work named on a stream
+// runs after the call (see Streams in cuda_emu.cpp):
 //   memory    cudaMalloc cudaFree cudaMallocHost cudaFreeHost cudaPointerGetAttributes
 //             cudaMemcpy cudaMemcpyAsync cudaMemset cudaMemsetAsync cudaMemset2DAsync
 //             cudaMemcpyToSymbol cudaMemcpyFromSymbol
@@ -50,6 +51,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -96,12 +98,18 @@ unsigned long long uly_emu_seed();
 const char *uly_emu_last_failure();
 void uly_emu_set_quiet(bool quiet);
 
-// Test hook: while stalled, cudaStreamQuery(s) answers cudaErrorNotReady, as for a stream whose
-// collective waits on a dead peer, and what would wait for the stream (cudaStreamSynchronize, a
-// copy of pageable memory) aborts the test, where a GPU would hang. Stream 0 stands for the
-// calling host thread's default stream (each rank thread of tests/emu/nccl_emu.cpp models its
-// own GPU).
+// Test hook: while stalled, s runs none of its work and cudaStreamQuery(s) answers
+// cudaErrorNotReady, as for a stream whose collective waits on a dead peer, and what would wait
+// for the stream (cudaStreamSynchronize, a copy of pageable memory) aborts the test, where a GPU
+// would hang; released, it runs what was queued. Stream 0 stands for the calling host thread's
+// default stream (each rank thread of tests/emu/nccl_emu.cpp models its own GPU).
 void uly_emu_stall_stream(cudaStream_t s, bool stalled);
+
+// For the test doubles of other libraries (tests/emu/nccl_emu.cpp, cublaslt_emu.cpp): queue work
+// on a stream as the runtime queues its own, or wait until what is queued on it has run (a
+// stalled stream runs nothing and is not waited for).
+void uly_emu_queue(cudaStream_t s, std::function<void()> work);
+void uly_emu_drain(cudaStream_t s);
 
 // Test hook: the opt-in shared memory per block the device reports and cudaFuncSetAttribute
 // accepts, as on a smaller GPU (sm_86 and sm_89: 99 KB); 0 restores the H100's 227 KB.
@@ -331,18 +339,18 @@ cudaError_t cudaMemcpyFromSymbol(void *dst, const T &symbol, size_t count, size_
 
 // ---------------------------------------------------------------------------------------------
 // Kernel launch. ULY_LAUNCH(kernel, grid, block, smem_bytes, stream, args...) converts the
-// arguments to the kernel's parameter types once on the host, like <<<>>>, then runs every
-// thread of every block, and returns when the grid is done (all streams are synchronous).
-// Wrap a template kernel in parentheses: ULY_LAUNCH((attn<64, true>), ...).
+// arguments to the kernel's parameter types once on the host, like <<<>>>, checks the launch
+// configuration (an error of cudaGetLastError at once), and queues the grid on the stream: it
+// runs later, on the stream's worker thread, and its failures surface at the next synchronizing
+// call. Wrap a template kernel in parentheses: ULY_LAUNCH((attn<64, true>), ...).
 
 struct uly_emu_grid {
     const char *name;       // the kernel as written at the launch, for failure reports
     const void *fn;         // the kernel's address, the key of cudaFuncSetAttribute
     dim3 grid, block;
     size_t smem;
-    cudaStream_t stream;    // only recorded (uly_emu_recorded_ops): the launch runs at once
-    void (*run)(const void *ctx);  // calls the kernel with the launch's arguments
-    const void *ctx;
+    cudaStream_t stream;
+    std::function<void()> call;  // the kernel with the launch's arguments, held by value
 };
 
 void uly_emu_launch(const uly_emu_grid &g);
@@ -353,10 +361,8 @@ template <typename... P> struct uly__launcher {
 
     template <typename... A> void operator()(A &&...a) {
         static_assert(sizeof...(A) == sizeof...(P), "wrong number of kernel arguments");
-        const std::tuple<std::decay_t<P>...> args(std::forward<A>(a)...);
-        auto body = [&] { std::apply(kernel, args); };
-        g.run = [](const void *ctx) { (*static_cast<const decltype(body) *>(ctx))(); };
-        g.ctx = &body;
+        std::tuple<std::decay_t<P>...> args(std::forward<A>(a)...);
+        g.call = [k = kernel, args = std::move(args)] { std::apply(k, args); };
         uly_emu_launch(g);
     }
 };
@@ -364,8 +370,7 @@ template <typename... P> struct uly__launcher {
 template <typename... P>
 uly__launcher<P...> uly__launch(void (*kernel)(P...), const char *name, dim3 grid, dim3 block,
                                 size_t smem, cudaStream_t stream) {
-    return {{name, reinterpret_cast<const void *>(kernel), grid, block, smem, stream, nullptr,
-             nullptr},
+    return {{name, reinterpret_cast<const void *>(kernel), grid, block, smem, stream, {}},
             kernel};
 }
 

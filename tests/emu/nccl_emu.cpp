@@ -23,9 +23,10 @@
 //                                       on a fixed topology, not this order)
 // Every call that names a stream is noted in the calling thread's record of stream-ordered work
 // (uly_emu_record_op, tests/emu/cuda_emu.h), with that stream, so tests can see that the library
-// queues its exchanges where it should. Emulator streams are synchronous, so an operation is
-// complete when its call returns: a collective blocks until every rank has called it (the last
-// to arrive does it for all), a group until its sends are received and its receives filled. A
+// queues its exchanges where it should. A call first waits for the work queued on its stream
+// (emulator streams run asynchronously), then completes before it returns, so the stream's later
+// work finds it done: a collective blocks until every rank has called it (the last to arrive
+// does it for all), a group until its sends are received and its receives filled. A
 // group posts its sends before it waits on its receives, so exchanges in a group never deadlock,
 // as NCCL promises.
 //
@@ -45,9 +46,9 @@
 // A stream argument of cudaStreamPerThread is ncclInvalidUsage there: NCCL launches such a
 // communicator's work from a thread of its own, whose per-thread stream is not the caller's.
 //
-// Not modeled: the network and topology (algorithms, channels, timing), real asynchrony
-// (kernels still running after the call), several ranks on one thread, and failures other than
-// the ones the test hooks inject.
+// Not modeled: the network and topology (algorithms, channels, timing), a collective still
+// running after its call returns, several ranks on one thread, and failures other than the ones
+// the test hooks inject.
 #include "cuda_emu.h"
 #include <nccl.h>
 
@@ -318,10 +319,12 @@ ncclResult_t progress(ncclComm *comm, ncclResult_t r) {
 
 // A non-blocking communicator's work starts on NCCL's thread, where cudaStreamPerThread is that
 // thread's stream: the caller's work on its own per-thread stream would not be ordered with it.
+// The call's stream: the work queued on it before the call has run when the call moves data.
 ncclResult_t on_stream(const char *call, const ncclComm *comm, cudaStream_t stream) {
     if (comm && comm->nonblocking && stream == cudaStreamPerThread)
         return error(ncclInvalidUsage, "%s: cudaStreamPerThread on a non-blocking communicator "
                      "is NCCL's own thread's stream, not the caller's", call);
+    uly_emu_drain(stream);
     return ncclSuccess;
 }
 
