@@ -1200,7 +1200,6 @@ cudaError_t check_launch(const uly_emu_grid &g) {
     return cudaSuccess;
 }
 
-
 // =============================================================================================
 // Streams. A stream is a queue and a worker thread that runs the queue in order while the host
 // goes on, as a GPU runs a stream: a host that reads a result before waiting for it, or a stream
@@ -1322,7 +1321,7 @@ void never_returns(const char *what) {
 // What the host waits for before it goes on: the stream's work, or on the legacy stream every
 // stream's.
 void wait_stream(cudaStream_t s, const char *what) {
-    if (legacy(s)) stream_of(s), drain_all();
+    if (legacy(s)) drain_all();
     if (!stream_of(s)->drain()) never_returns(what);
 }
 
@@ -1349,18 +1348,41 @@ void queue_work(cudaStream_t s, std::function<void(Host &)> fn) {
     });
 }
 
-// Events: the number of records asked for and reached; a wait is for the records asked before it.
+// An event counts the records asked for and the records its streams reached; a wait is for the
+// records asked before it.
 struct Event {
     std::mutex m;
     std::condition_variable cv;
     unsigned long long asked = 0, reached = 0;
-    std::chrono::steady_clock::time_point t;
-};
+    std::chrono::steady_clock::time_point t;  // when the last reached record ran
 
-void wait_event(Event &e, unsigned long long n) {
-    std::unique_lock<std::mutex> lock(e.m);
-    e.cv.wait(lock, [&] { return e.reached >= n; });
-}
+    unsigned long long last() {
+        std::lock_guard<std::mutex> lock(m);
+        return asked;
+    }
+    unsigned long long ask() {
+        std::lock_guard<std::mutex> lock(m);
+        return ++asked;
+    }
+    void reach(unsigned long long n) {
+        {
+            std::lock_guard<std::mutex> lock(m);
+            reached = std::max(reached, n);
+            t = std::chrono::steady_clock::now();
+        }
+        cv.notify_all();
+    }
+    void wait(unsigned long long n) {
+        std::unique_lock<std::mutex> lock(m);
+        cv.wait(lock, [&] { return reached >= n; });
+    }
+    // When the last record ran; false if it has not run, or e was never recorded.
+    bool reached_at(std::chrono::steady_clock::time_point *at) {
+        std::lock_guard<std::mutex> lock(m);
+        *at = t;
+        return reached && reached == asked;
+    }
+};
 
 }  // namespace
 
@@ -1813,13 +1835,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
     uly_emu_record_op("cudaStreamWaitEvent", s);
     if (!e) return cudaErrorInvalidResourceHandle;
-    std::shared_ptr<Event> ev = e->e;
-    unsigned long long n;
-    {
-        std::lock_guard<std::mutex> lock(ev->m);
-        n = ev->asked;
-    }
-    queue(s, [ev, n] { wait_event(*ev, n); });
+    queue(s, [ev = e->e, n = e->e->last()] { ev->wait(n); });
     return cudaSuccess;
 }
 
@@ -1839,49 +1855,20 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     uly_emu_record_op("cudaEventRecord", s);
     if (!e) return cudaErrorInvalidResourceHandle;
-    std::shared_ptr<Event> ev = e->e;
-    unsigned long long n;
-    {
-        std::lock_guard<std::mutex> lock(ev->m);
-        n = ++ev->asked;
-    }
-    auto reach = [ev, n] {
-        {
-            std::lock_guard<std::mutex> lock(ev->m);
-            ev->reached = std::max(ev->reached, n);
-            ev->t = std::chrono::steady_clock::now();
-        }
-        ev->cv.notify_all();
-    };
-    queue(s, reach);
+    queue(s, [ev = e->e, n = e->e->ask()] { ev->reach(n); });
     return cudaSuccess;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     if (!e) return cudaErrorInvalidResourceHandle;
-    std::shared_ptr<Event> ev = e->e;
-    unsigned long long n;
-    {
-        std::lock_guard<std::mutex> lock(ev->m);
-        n = ev->asked;
-    }
-    wait_event(*ev, n);
+    e->e->wait(e->e->last());
     return pending();
 }
-
-namespace {
-// When e's last record ran; false if it has not run (or e was never recorded).
-bool reached_at(Event &e, std::chrono::steady_clock::time_point *t) {
-    std::lock_guard<std::mutex> lock(e.m);
-    *t = e.t;
-    return e.reached && e.reached == e.asked;
-}
-}  // namespace
 
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
     if (!start || !end) return cudaErrorInvalidResourceHandle;
     std::chrono::steady_clock::time_point a, b;
-    if (!reached_at(*start->e, &a) || !reached_at(*end->e, &b)) return cudaErrorNotReady;
+    if (!start->e->reached_at(&a) || !end->e->reached_at(&b)) return cudaErrorNotReady;
     *ms = std::chrono::duration<float, std::milli>(b - a).count();
     return cudaSuccess;
 }
