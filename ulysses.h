@@ -1782,9 +1782,8 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l) {
     return uly__max(0, uly__layer_bytes(l));
 }
 
-/* The layer's fields and buffers; *need gets uly_layer_workspace(). */
-static uly_status uly__check_layer(const uly_layer *l, int backward, const void *saved,
-                                   int64_t saved_bytes, int64_t *need) {
+/* The layer's fields and its workspace; *need gets uly_layer_workspace(). */
+static uly_status uly__check_layer(const uly_layer *l, int backward, int64_t *need) {
     ULY__CHECK(l, ULY_EINVAL, "layer is NULL");
     const uly_plan *p = l->plan;
     const uly_comm *c = l->comm;
@@ -1813,11 +1812,6 @@ static uly_status uly__check_layer(const uly_layer *l, int backward, const void 
     ULY__CHECK(l->workspace_bytes >= *need, ULY_EINVAL,
                "layer.workspace_bytes (%lld) < uly_layer_workspace() (%lld)",
                ULY__LL(l->workspace_bytes), ULY__LL(*need));
-    ULY__CHECK(saved, ULY_EINVAL, "saved is NULL (uly_saved_bytes() is %lld bytes)",
-               ULY__LL(uly_saved_bytes(p)));
-    ULY__CHECK(saved_bytes >= uly_saved_bytes(p), ULY_EINVAL,
-               "saved_bytes (%lld) < uly_saved_bytes() (%lld)", ULY__LL(saved_bytes),
-               ULY__LL(uly_saved_bytes(p)));
     return uly__ok();
 }
 
@@ -1866,14 +1860,19 @@ typedef struct uly__pass {
     uly_attn_args a;
 } uly__pass;
 
-/* What a pass writes must not share memory with what it reads or writes after: saved and the
-   workspace are apart from each other and from the tensors, and the three gradients from each
-   other. An output may alias an input (out over q, dq over dout): the inputs are exchanged
-   before any output is written. ws: the workspace's bytes in use. */
-static uly_status uly__check_apart(const uly_layer *l, int backward, const void *saved,
-                                   int64_t ws, const char *const names[4],
-                                   const uly_tensor t[4]) {
+/* saved is there and big enough, and what a pass writes does not share memory with what it
+   reads or writes after: saved and the workspace are apart from each other and from the
+   tensors, and the three gradients from each other. An output may alias an input (out over q,
+   dq over dout): the inputs are exchanged before any output is written. ws: the workspace's
+   bytes in use. */
+static uly_status uly__check_buffers(const uly_layer *l, int backward, const void *saved,
+                                     int64_t saved_bytes, int64_t ws, const char *const names[4],
+                                     const uly_tensor t[4]) {
     const int64_t sv = uly_saved_bytes(l->plan);
+    ULY__CHECK(saved, ULY_EINVAL, "saved is NULL (uly_saved_bytes() is %lld bytes)",
+               ULY__LL(sv));
+    ULY__CHECK(saved_bytes >= sv, ULY_EINVAL, "saved_bytes (%lld) < uly_saved_bytes() (%lld)",
+               ULY__LL(saved_bytes), ULY__LL(sv));
     ULY__CHECK(!uly__meet(saved, sv, l->workspace, ws), ULY_EINVAL,
                "saved (%lld bytes) and layer.workspace (%lld bytes) overlap", ULY__LL(sv),
                ULY__LL(ws));
@@ -1898,12 +1897,12 @@ static uly_status uly__begin(const uly_layer *l, int backward, void *saved, int6
     static const uly_xchg fwd[4] = {ULY_X_Q, ULY_X_KV, ULY_X_KV, ULY_X_O};
     static const uly_xchg bwd[4] = {ULY_X_Q, ULY_X_O, ULY_X_DKV, ULY_X_DKV};
     int64_t ws = 0;
-    ULY__TRY(uly__check_layer(l, backward, saved, saved_bytes, &ws));
+    ULY__TRY(uly__check_layer(l, backward, &ws));
     const uly_plan *p = l->plan;
     for (int i = 0; i < 4; i++)
         ULY__TRY(uly__check_like(names[i], t[i],
                                  uly__seq_layout(p, (backward ? bwd : fwd)[i], NULL)));
-    ULY__TRY(uly__check_apart(l, backward, saved, ws, names, t));
+    ULY__TRY(uly__check_buffers(l, backward, saved, saved_bytes, ws, names, t));
     uly__heads_at(p, saved, &s->h);
     const int64_t attn_at = uly__work_at(p, l->workspace, &s->w);
     s->a = uly__args(l, &s->h, uly_saved_lse(p, saved), backward ? &s->w.grad : NULL,
