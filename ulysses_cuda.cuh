@@ -349,10 +349,13 @@ static __device__ __forceinline__ void uly_cp_async(uint32_t smem_addr, const vo
 }
 
 // *p += a, p[1] += b, each atomically: one red.global.add.v2.f32 from sm_90 (half the
-// instructions of two scalar adds), two atomicAdd before it and in the emulator. p is 8-byte
-// aligned and global. Nothing in the kernel reads p back, so no memory clobber.
+// instructions of two scalar adds), two atomicAdd before it. p is global and 8-byte aligned,
+// which sm_90 requires and the emulator checks. Nothing in the kernel reads p back, so no
+// memory clobber.
 static __device__ __forceinline__ void uly_red_add2(float *p, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef ULY_EMU
+    uly_emu_red_add2(p, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b));
 #else
     atomicAdd(p, a);

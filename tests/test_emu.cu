@@ -890,6 +890,26 @@ TEST(atomics_add_across_concurrent_blocks) {
     cudaFree(f), cudaFree(i);
 }
 
+__global__ void add_pairs(float *p) { uly_red_add2(p, 1.0f, 2.0f); }
+
+// uly_red_add2 adds both elements atomically; sm_90's one vector access needs 8-byte alignment,
+// which the emulator holds it to (a GPU before sm_90 adds element by element and would not).
+TEST(paired_atomic_adds_sum_and_need_8_byte_alignment) {
+    float *f = device_zeros<float>(4);
+    ULY_LAUNCH(add_pairs, 64, 128, 0, 0, f);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<float> h = download(f, 4);
+    CHECK(h[0] == 8192.0f && h[1] == 16384.0f && h[2] == 0.0f, "sums %g %g %g", h[0], h[1], h[2]);
+#ifdef ULY_EMU
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(add_pairs, 1, 32, 0, 0, f + 1);
+    std::string r = expect_failure(cudaErrorMisalignedAddress);
+    CHECK(contains(r, "red.global.add.v2.f32") && contains(r, "8-byte"), "report: %s", r.c_str());
+    uly_emu_set_quiet(false);
+#endif
+    cudaFree(f);
+}
+
 // Every thread of a 3D grid of 3D blocks finds its global index exactly once.
 __global__ void index_3d(int *hits, int *where) {
     const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;

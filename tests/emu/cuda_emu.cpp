@@ -1544,6 +1544,18 @@ void uly_emu_cp_async(uint32_t smem_addr, const void *src, int bytes, int src_by
     self->copies.push_back(Copy{smem_addr, src, bytes, src_bytes});
 }
 
+// red.global.add.v2.f32 (sm_90): a vector access, so p must be 8-byte aligned; each element
+// is its own atomic add.
+void uly_emu_red_add2(float *p, float a, float b) {
+    Fiber *self = current(tw, "red.global.add.v2.f32");
+    if ((uintptr_t)p % 8)
+        fail(*tw, cudaErrorMisalignedAddress, false,
+             "red.global.add.v2.f32: %s adds at %p, not 8-byte aligned", who(*self).c_str(),
+             (void *)p);
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}
+
 void uly_emu_cp_async_commit() {
     Fiber *self = current(tw, "cp.async.commit_group");
     self->group_end.push_back(self->copies.size());

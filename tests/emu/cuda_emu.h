@@ -91,6 +91,7 @@ void uly_emu_cp_async(uint32_t smem_addr, const void *src, int bytes, int src_by
 void uly_emu_cp_async_commit();
 void uly_emu_cp_async_wait(int n);
 float uly_emu_ex2(float x);
+void uly_emu_red_add2(float *p, float a, float b);
 
 // Test hooks: the schedule seed in use, the message of the last failed launch (empty if none),
 // and whether failures are printed to stderr (tests of failure detection turn printing off).
