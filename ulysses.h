@@ -226,7 +226,8 @@ typedef struct uly_mpi {
     int64_t chunk_bytes;
 } uly_mpi;
 /* Sets MPI_ERRORS_RETURN on m->comm, so MPI failures come back as ULY_ECOMM with MPI's message.
-   out points to m, which must outlive it. out->device is 0: host buffers (MPI calls do not wait
+   Any size: a world's for uly_loss_reduce, but alltoallv (an SP group's) takes at most
+   ULY_MAX_SP ranks. out points to m, which must outlive it. out->device is 0: host buffers (MPI calls do not wait
    for a CUDA stream, so the GPU layer takes NCCL's communicator instead). */
 ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out);
 /* Splits a world into SP groups of sp_size consecutive ranks and DP groups across them. */
@@ -357,9 +358,9 @@ ULYDEF uly_status uly_shard_labels(const uly_plan *p, const int32_t *full, int32
                                    int32_t *labels);
 /* Cross-entropy over n local tokens of vocabulary v: adds sum of -log softmax(logits)[label]
    and the count of labels != ignore_index. If dlogits is not NULL it gets the unscaled gradient
-   softmax - onehot (0 for ignored tokens); scale it by uly_loss_reduce's grad_scale. A token
-   with a NaN or infinite logit adds NaN, as it does in any framework: that is the model's
-   failure to report, not this call's. */
+   softmax - onehot (0 for ignored tokens); scale it by uly_loss_reduce's grad_scale. A -inf
+   logit is a masked class (a label on one adds +inf); a token with a NaN or +inf logit adds
+   NaN, as it does in any framework: that is the model's failure to report, not this call's. */
 ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, int64_t n,
                                     int64_t v, int32_t ignore_index, double *loss_sum,
                                     int64_t *count, float *dlogits);
@@ -1179,6 +1180,8 @@ static uly_status uly__mpi_alltoallv(void *ctx, const void *send, const int64_t 
     uly_status s = uly__ok();
     (void)stream;
     ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &P), "MPI_Comm_size"));
+    ULY__CHECK(P <= ULY_MAX_SP, ULY_EINVAL, "alltoallv: the communicator has %d ranks, more than "
+               "ULY_MAX_SP (%d): an SP group is at most that", P, ULY_MAX_SP);
     ULY__TRY(uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs));
     for (int j = 0; j < P; j++) st[j] = rt[j] = MPI_BYTE;
     for (int j = 0; j < P && !s.code; j++) {
@@ -1225,8 +1228,6 @@ ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out) {
                       "MPI_Comm_set_errhandler"));
     ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &size), "MPI_Comm_size"));
     ULY__TRY(uly__mpi(MPI_Comm_rank(m->comm, &rank), "MPI_Comm_rank"));
-    ULY__CHECK(size <= ULY_MAX_SP, ULY_EINVAL, "uly_mpi_comm: the communicator has %d ranks, more "
-               "than ULY_MAX_SP (%d)", size, ULY_MAX_SP);
     memset(out, 0, sizeof *out);
     out->size = size, out->rank = rank;
     out->alltoallv = uly__mpi_alltoallv;

@@ -193,7 +193,8 @@ TEST(qkv_views_reject_negative_counts_and_shapes_that_overflow_int64) {
 
    A valid layer on SP rank 0 of 2 (B 1, S 8, H 4, Hkv 2, D 8, fp32): 4 local tokens. The
    communicator is a stub that fails if called: validation comes before any exchange, so a rank
-   with a bad argument never leaves its peers waiting in a collective. */
+   with a bad argument leaves having sent nothing (its peers then wait for it in the first
+   exchange until the program aborts the communicator, as with any collective a rank leaves). */
 
 static int stub_calls;
 static uly_status stub_a2a(void *ctx, const void *s, const int64_t *sc, const int64_t *so, void *r,

@@ -128,6 +128,37 @@ TEST(cross_entropy_is_stable_for_large_logits) {
           ref_maxdiff_fd(dl, want_d, N * V));
 }
 
+/* A -inf logit masks its class out of the softmax: the loss is that of the other classes, and
+   its gradient is 0. A -inf on the label makes the loss +inf; a +inf or NaN logit makes it NaN. */
+TEST(minus_inf_logits_mask_classes_and_plus_inf_or_nan_give_nan) {
+    enum { N = 3, V = 7 };
+    float logits[N * V], dl[N * V];
+    double want_d[N * V];
+    int32_t labels[N] = {2, 6, 0};
+    ref_fill(logits, N * V, 26);
+    logits[0] = logits[4] = logits[V + 1] = logits[2 * V + 6] = -INFINITY;
+    int64_t want_count, count = 0;
+    double want = ref_ce(logits, labels, N, V, &want_count, want_d), sum = 0;
+    uly_status st = uly_cross_entropy(logits, labels, N, V, IGNORE, &sum, &count, dl);
+    CHECK(st.code == ULY_OK, "%s", st.msg);
+    CHECK(isfinite(want) && count == N, "reference %g, count %lld", want, (long long)count);
+    CHECK_NEAR(sum, want, 1e-5, "loss with masked classes");
+    CHECK(ref_maxdiff_fd(dl, want_d, N * V) <= 1e-6 && dl[0] == 0 && dl[4] == 0,
+          "dlogits off by %g, masked %g %g", ref_maxdiff_fd(dl, want_d, N * V), dl[0], dl[4]);
+
+    const float bad[3] = {-INFINITY, INFINITY, NAN};
+    for (int i = 0; i < 3; i++) {
+        float x[V];
+        ref_fill(x, V, 27);
+        x[0] = bad[i];
+        int32_t label = 0;
+        sum = 0;
+        st = uly_cross_entropy(x, &label, 1, V, IGNORE, &sum, &count, NULL);
+        CHECK(st.code == ULY_OK, "%s", st.msg);
+        CHECK(i == 0 ? sum == INFINITY : isnan(sum), "label logit %g: loss %g", bad[i], sum);
+    }
+}
+
 TEST(dlogits_are_softmax_minus_onehot_and_zero_for_ignored_tokens) {
     enum { N = 29, V = 33 };
     static float logits[N * V], dl[N * V];
