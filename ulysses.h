@@ -199,8 +199,9 @@ typedef struct uly_comm {
        it may be a collective that all ranks must choose alike (ncclAlltoAll); alltoallv must
        not be one, since a rank sees only its own counts. */
     uly_status (*alltoall)(void *ctx, const void *send, void *recv, int64_t bytes, void *stream);
-    /* buf[0, n) = sum over ranks, in place. Host memory holds the sum when the call returns;
-       GPU memory may only have it queued on stream (NCCL's): read it after the stream. */
+    /* buf[0, n) = sum over ranks, in place. Host memory is read after the work queued on
+       stream (a device communicator's) and holds the sum when the call returns; GPU memory may
+       only have it queued on stream (NCCL's): read it after the stream. */
     uly_status (*allreduce_sum)(void *ctx, double *buf, int64_t n, void *stream);
     uly_status (*barrier)(void *ctx);
     void *ctx;

@@ -115,7 +115,8 @@ ULYDEF uly_layout uly_cuda_layout(void);
    thread's GPU, and waits for all of them. Each rank works on its own stream (the stream
    argument of each call); alltoallv copies device to device between the ranks' buffers, ordered
    by events, so the streams of different ranks run concurrently. allreduce_sum takes GPU or
-   host memory and synchronizes the stream. barrier meets the host threads. */
+   host memory (read once the stream is done) and synchronizes the stream. barrier meets the
+   host threads. */
 ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
                                      void *user);
 
@@ -786,8 +787,9 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
 }
 
 /* Through the host, a few values at a time: sums are the host comm's, in rank order. Host
-   memory goes to it directly; device memory through a copy on the stream or, given none, on
-   the per-thread default one (as NCCL's: the legacy stream would wait for every rank's work). */
+   memory goes to it once the stream is done (as NCCL's, so that a result copied there on the
+   stream is what is summed); device memory through a copy on the stream. Given no stream, the
+   per-thread default one (as NCCL's: the legacy stream would wait for every rank's work). */
 static uly_status uly__dl_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
     uly__dl_rank *me = (uly__dl_rank *)ctx;
     cudaStream_t s = stream ? (cudaStream_t)stream : cudaStreamPerThread;
@@ -796,7 +798,10 @@ static uly_status uly__dl_allreduce(void *ctx, double *buf, int64_t n, void *str
                "not NULL", ULY__LL(n));
     int device = 0;
     if (n) ULY__TRY(uly__on_device(buf, &device));
-    if (!device) return me->host->allreduce_sum(me->host->ctx, buf, n, NULL);
+    if (!device) {
+        ULY__TRY(uly__cuda(cudaStreamSynchronize(s), "device-local allreduce_sum"));
+        return me->host->allreduce_sum(me->host->ctx, buf, n, NULL);
+    }
     for (int64_t at = 0; at < n; at += 64) {
         const size_t bytes = (size_t)uly__min(64, n - at) * sizeof(double);
         cudaError_t e = cudaMemcpyAsync(tmp, buf + at, bytes, cudaMemcpyDefault, s);

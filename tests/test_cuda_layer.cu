@@ -28,7 +28,8 @@
      layer's uly_forward and uly_backward queue everything on the caller's stream and allocate
      nothing.
    - The device-local communicator on its own: bytes land where the counts say, allreduce sums
-     host memory (queuing nothing) or device memory (given no stream, on the per-thread one),
+     host memory (queuing nothing, once the stream is done) or device memory (given no stream,
+     on the per-thread one),
      and mismatched counts are an error on every rank, not a hang.
    - Bad input to the layer is a named error.
    Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu). */
@@ -552,6 +553,48 @@ TEST(device_local_alltoallv_and_allreduce) {
               "per-thread stream", r, j.sum[r].msg, j.got[r][0], j.got[r][1], j.got[r][2],
               j.got[r][3], (long long)j.queued[r]);
     }
+}
+
+/* Host memory given a stream is summed once the stream is done, so a value copied there on the
+   stream is what every rank gets (under the emulator the stream first sleeps 50 ms, so a sum
+   that did not wait would add the zeros there before the copy). */
+typedef struct pinned_job {
+    uly_status st[4];
+    double got[4];
+} pinned_job;
+
+static void pinned_main(const uly_comm *c, void *user) {
+    pinned_job *j = (pinned_job *)user;
+    const int r = c->rank;
+    const double x = 1.0 + r;
+    cudaStream_t s;
+    double *dev, *pin;
+    cudaStreamCreate(&s);
+    cudaMalloc((void **)&dev, sizeof x);
+    cudaMallocHost((void **)&pin, sizeof x);
+    cudaMemcpy(dev, &x, sizeof x, cudaMemcpyHostToDevice);
+    *pin = 0;
+#ifdef ULY_EMU
+    uly_emu_queue(s, [] {
+        const struct timespec late = {0, 50000000L};
+        nanosleep(&late, NULL);
+    });
+#endif
+    cudaMemcpyAsync(pin, dev, sizeof x, cudaMemcpyDeviceToHost, s);
+    j->st[r] = c->allreduce_sum(c->ctx, pin, 1, s);
+    j->got[r] = *pin;
+    cudaFree(dev), cudaFreeHost(pin);
+    cudaStreamDestroy(s);
+}
+
+TEST(device_local_allreduce_of_host_memory_waits_for_the_stream) {
+    pinned_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = uly_cuda_local_run(4, pinned_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++)
+        CHECK(!j.st[r].code && j.got[r] == 10, "rank %d: '%s', sum %g, want 1+2+3+4", r,
+              j.st[r].msg, j.got[r]);
 }
 
 TEST(device_local_count_mismatch_is_an_error_not_a_hang) {
