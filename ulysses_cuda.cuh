@@ -2050,6 +2050,27 @@ static uly_status uly__fa_rows16(const uly_tensor &t, const char *name) {
     return uly__ok();
 }
 
+/* Whether the current GPU gives a block the shared memory of the call's largest kernel (the
+   dK/dV kernel's, backward; the dQ kernel's is less): a GPU with less refuses the call before
+   anything runs, and the layer's check before anything is exchanged. */
+static_assert(uly__fa_bwd_q_smem<64>() <= uly__fa_bwd_kv_smem<64>() &&
+                  uly__fa_bwd_q_smem<128>() <= uly__fa_bwd_kv_smem<128>(),
+              "the dK/dV kernel needs the most shared memory of the backward");
+static uly_status uly__fa_smem_fits(int64_t d, int backward) {
+    const char *name = backward ? "uly__flash_bwd_kv" : "uly__flash_fwd";
+    const size_t need = backward ? (d == 64 ? uly__fa_bwd_kv_smem<64>()
+                                            : uly__fa_bwd_kv_smem<128>())
+                                 : (d == 64 ? uly__fa_fwd_smem<64>() : uly__fa_fwd_smem<128>());
+    int device = 0, most = 0;
+    ULY__TRY(uly__cuda(cudaGetDevice(&device), name));
+    ULY__TRY(uly__cuda(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                              device), name));
+    ULY__CHECK(need <= (size_t)most, ULY_EUNSUPPORTED, "%s needs %zu bytes of shared memory per "
+               "block and this GPU has %d (A100 and H100 have 163 KB and 227 KB; elsewhere "
+               "uly_cublaslt_attention covers this head dim)", name, need, most);
+    return uly__ok();
+}
+
 /* Rows of a sequence: 65535 blocks (the grid's z) of 64 rows (the smallest BM). */
 enum { ULY__FA_MAX_ROWS = 65535 * 64 };
 
@@ -2084,6 +2105,7 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
                ULY_EINVAL,
                "varlen: q.b must be 1, batch in [1, 65535], cu_seqlens_q/k set, max_seqlen_q/k "
                "within q.s/k.s");
+    ULY__TRY(uly__fa_smem_fits(a->q.d, backward));
     memset(p, 0, sizeof *p);
     p->q = a->q, p->k = a->k, p->v = a->v, p->o = a->o;
     if (backward) p->dout = a->dout, p->dq = a->dq, p->dk = a->dk, p->dv = a->dv;
@@ -2121,25 +2143,16 @@ template <typename F> static uly_status uly__fa_dispatch(uly_dtype t, int64_t d,
 
 static int uly__fa_cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
-/* Launches kernel on grid (nothing for an empty grid) with the dynamic shared memory it asks.
-   Up to 48 KB needs no opt-in; above, the kernel asks for it, once the device is known to have
-   it. */
+/* Launches kernel on grid (nothing for an empty grid) with the dynamic shared memory it asks
+   (uly__fa_setup made sure the device has it). Above 48 KB the kernel opts in. */
 template <typename... P>
 static uly_status uly__fa_launch(void (*kernel)(P...), const char *name, dim3 grid, int threads,
                                  size_t smem, cudaStream_t stream, const uly__fa_params &p) {
     if (!grid.x || !grid.y || !grid.z) return uly__ok();
-    if (smem > 48 * 1024) {
-        int device = 0, most = 0;
-        ULY__TRY(uly__cuda(cudaGetDevice(&device), name));
-        ULY__TRY(uly__cuda(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                                  device), name));
-        ULY__CHECK(smem <= (size_t)most, ULY_EUNSUPPORTED, "%s needs %zu bytes of shared memory "
-                   "per block and this GPU has %d (A100 and H100 have 163 KB and 227 KB; "
-                   "elsewhere uly_cublaslt_attention covers this head dim)", name, smem, most);
+    if (smem > 48 * 1024)
         ULY__TRY(uly__cuda(cudaFuncSetAttribute((const void *)kernel,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 (int)smem), name));
-    }
     ULY_LAUNCH(kernel, grid, dim3(threads), smem, stream, p);
     return uly__cuda(cudaGetLastError(), name);
 }

@@ -448,9 +448,8 @@ static void check_outputs(const fcase &c, const run_out &got, const outputs &r64
     check_lse(c, got, r64);
 }
 
-/* One dense case against ref64, lowp and cpu; returns the kernel's outputs. */
-static inline run_out check_case(const fcase &c) {
-    const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+/* One dense case on the given inputs against ref64, lowp and cpu; returns the kernel's outputs. */
+static inline run_out check_inputs(const fcase &c, const inputs &in) {
     const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
     const run_out got = run_attn(c, cq, ck, false, in, uly_flash_attention());
     if (!got.ok) return got;
@@ -458,6 +457,11 @@ static inline run_out check_case(const fcase &c) {
     const outputs cpu = run_cpu(c, in);
     check_outputs(c, got, r64, low, &cpu);
     return got;
+}
+
+/* One dense case on its random inputs. */
+static inline run_out check_case(const fcase &c) {
+    return check_inputs(c, make_inputs(c, c.B * c.Sq, c.B * c.Sk));
 }
 
 /* Query rows that keep no key must give o and dq exactly 0 and lse = +inf; returns how many of

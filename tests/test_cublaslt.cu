@@ -224,10 +224,12 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
 #ifdef ULY_EMU
 /* On a GPU with 99 KB of shared memory per block (sm_86, sm_89) the D = 128 flash backward
    cannot launch: a named error that says what it needs and what the GPU has, and points to this
-   path, which then runs. What it needs comes from the tile sizes, so the test does not restate
-   it: it takes the number from the message and holds it to what the emulator enforces, more
-   than 99 KB, and enough for the backward to run (a shared memory access past a launch's bytes
-   faults). The emulator plays the smaller GPU; a real one has the shared memory it has. */
+   path, which then runs. The backward queues nothing before it refuses, and its check (what the
+   layer asks before it exchanges anything) refuses alike. What it needs comes from the tile
+   sizes, so the test does not restate it: it takes the number from the message and holds it to
+   what the emulator enforces, more than 99 KB, and enough for the backward to run (a shared
+   memory access past a launch's bytes faults). The emulator plays the smaller GPU; a real one
+   has the shared memory it has. */
 TEST(flash_backward_beyond_the_gpus_shared_memory_is_a_named_error_and_cublaslt_runs) {
     enum { D = 128, SMALL = 99 * 1024 };
     void *t[8];
@@ -243,9 +245,17 @@ TEST(flash_backward_beyond_the_gpus_shared_memory_is_a_named_error_and_cublaslt_
     a.workspace_bytes = std::max(fa.workspace(fa.ctx, &a), lt.workspace(lt.ctx, &a));
     cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
     uly_emu_set_smem_optin(SMALL);
-    const uly_status fwd = fa.fwd(fa.ctx, &a), bwd = fa.bwd(fa.ctx, &a);
+    const uly_status fwd = fa.fwd(fa.ctx, &a);
+    uly_emu_record_reset();
+    const uly_status bwd = fa.bwd(fa.ctx, &a);
+    const size_t queued = uly_emu_recorded_ops().size();
+    const uly_status check_fwd = fa.check(fa.ctx, &a, 0), check_bwd = fa.check(fa.ctx, &a, 1);
     const uly_status lt_bwd = lt.bwd(lt.ctx, &a);
-    CHECK(!fwd.code, "the forward fits in 99 KB: '%s'", fwd.msg);
+    CHECK(!fwd.code && !check_fwd.code, "the forward fits in 99 KB: '%s' '%s'", fwd.msg,
+          check_fwd.msg);
+    CHECK(queued == 0, "the refused backward queued %zu operations", queued);
+    CHECK(check_bwd.code == bwd.code && !strcmp(check_bwd.msg, bwd.msg), "check: '%s'",
+          check_bwd.msg);
     const char *needs = strstr(bwd.msg, "uly__flash_bwd_kv needs ");
     unsigned long need = 0;
     if (needs) sscanf(needs, "uly__flash_bwd_kv needs %lu", &need);

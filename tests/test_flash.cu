@@ -145,6 +145,24 @@ TEST(moderate_logits_rescale_between_tiles) {
     }
 }
 
+/* Causal tiles whose last key is one past the diagonal at their first row (Sk - Sq = BN - 2: 62
+   for the 64-key blocks, 126 for the 128-key ones) come closest to needing no mask, and still
+   need it. That key, Sk - Sq + 1, is made 4 q_0, the key row 0 would attend to most, so letting
+   it through changes row 0 entirely. Both dQ paths. */
+TEST(causal_mask_edge_one_key_past_the_diagonal) {
+    for (int64_t D : {64, 128})
+        for (int64_t Sk : {126, 190})
+            for (int deterministic : {0, 1}) {
+                fcase c = make_case({1, 64, Sk, 1, 1, 1}, D, ULY_BF16);
+                c.deterministic = deterministic;
+                inputs in = make_inputs(c, c.Sq, c.Sk);
+                const int64_t needle = Sk - c.Sq + 1;
+                for (int64_t d = 0; d < D; d++)
+                    in.k[(size_t)(needle * D + d)] = 4 * in.q[(size_t)d];
+                check_inputs(c, in);
+            }
+}
+
 /* An SP rank holding global query heads 1..3 of groups of 2: local heads 0 | 1, 2 read local kv
    heads 0 | 1, so one group is split across ranks. */
 TEST(gqa_group_split_across_ranks) {
