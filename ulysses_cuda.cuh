@@ -1126,6 +1126,10 @@ static uly_status uly__nccl_alltoallv(void *ctx, const void *send, const int64_t
 }
 
 #if ULY_NCCL_ALLTOALL
+/* Weak, so that a program built with NCCL 2.28's header still loads with an older libnccl.so.2
+   under immediate binding (-z now, hardened builds), where the symbol is missing: the loader
+   leaves it NULL, and uly_nccl_comm, which reads the library's version, never calls it. */
+#pragma weak ncclAlltoAll
 static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, int64_t bytes,
                                      void *stream) {
     uly_nccl *n = (uly_nccl *)ctx;

@@ -15,6 +15,8 @@
 //   ncclGetErrorString, ncclGetLastError   NCCL's strings; the last error is per thread (NCCL's
 //                                       is per process, and a thread here is a process)
 //   ncclGetVersion                      the header's version, or the one a test sets
+//                                       (built with -DULY_EMU_NCCL_2_27: an older libnccl.so.2,
+//                                       version 2.27.7 and no ncclAlltoAll)
 //   ncclGroupStart, ncclGroupEnd        per thread, nested; the outermost end runs the group;
 //                                       a call that failed inside drops the whole group
 //   ncclSend, ncclRecv                  matched in call order per (sender, receiver) pair
@@ -428,6 +430,7 @@ std::string all_reduce(const Coll &k) {
     return "";
 }
 
+#ifndef ULY_EMU_NCCL_2_27
 bool overlap(const char *a, const char *b, size_t n) { return a < b + n && b < a + n; }
 
 // Block j of rank i's send goes to block i of rank j's receive. NCCL has no in-place all-to-all.
@@ -443,6 +446,7 @@ std::string all_to_all(const Coll &k) {
                    bytes);
     return "";
 }
+#endif
 
 // One new clique per color; in it, ranks ordered by key, then by their rank in the old one.
 std::string split(const Coll &k) {
@@ -515,7 +519,11 @@ const char *ncclGetErrorString(ncclResult_t r) {
 const char *ncclGetLastError(ncclComm_t) { return last_error.c_str(); }
 
 // The library's version, which a test may set below the header's (an older libnccl.so.2).
+#ifdef ULY_EMU_NCCL_2_27
+static std::atomic<int> lib_version{NCCL_VERSION(2, 27, 7)};
+#else
 static std::atomic<int> lib_version{NCCL_VERSION_CODE};
+#endif
 
 ncclResult_t ncclGetVersion(int *v) {
     if (!v) return error(ncclInvalidArgument, "ncclGetVersion: version is NULL");
@@ -688,6 +696,7 @@ ncclResult_t ncclRecv(void *buf, size_t count, ncclDataType_t type, int peer, nc
     return grouped(p2p("ncclRecv", false, buf, count, type, peer, comm));
 }
 
+#ifndef ULY_EMU_NCCL_2_27
 ncclResult_t ncclAlltoAll(const void *send, void *recv, size_t count, ncclDataType_t type,
                           ncclComm_t comm, cudaStream_t stream) {
     uly_emu_record_op("ncclAlltoAll", stream);
@@ -701,6 +710,7 @@ ncclResult_t ncclAlltoAll(const void *send, void *recv, size_t count, ncclDataTy
     return progress(comm, collective(comm, Arg{"ncclAlltoAll", send, recv, count, type, 0, 0,
                                                nullptr}, all_to_all));
 }
+#endif
 
 ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
