@@ -258,23 +258,23 @@ $(BUILD)/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/c
 $(BUILD)/asan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(SAN) -c $< -o $@
-$(BUILD)/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_OBJ) \
-                    $(BUILD)/emu/nccl_emu.o
+# test_nccl is compiled once and linked with the double twice: as it is, and (test_nccl_2_27)
+# as an older library that reports 2.27.7 and has no ncclAlltoAll, which links only because the
+# library's reference to it is weak.
+$(BUILD)/emu/test_nccl.o: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS)
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -x c++ -c $< -o $@
+$(BUILD)/emu/nccl_emu_2_27.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -DULY_EMU_NCCL_2_27 -c $< -o $@
+$(BUILD)/test_nccl: $(BUILD)/emu/test_nccl.o $(EMU_OBJ) $(BUILD)/emu/nccl_emu.o
+	$(CXX) $^ -o $@ $(LDLIBS)
+$(BUILD)/test_nccl_2_27: $(BUILD)/emu/test_nccl.o $(EMU_OBJ) $(BUILD)/emu/nccl_emu_2_27.o
+	$(CXX) $^ -o $@ $(LDLIBS)
 $(BUILD)/asan/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_ASAN_OBJ) \
                          $(BUILD)/asan/emu/nccl_emu.o
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
-# Built against NCCL 2.28, run with an older library: the double reports 2.27.7 and has no
-# ncclAlltoAll, which links (the library's reference is weak) and is never called.
-$(BUILD)/emu/nccl_emu_2_27.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
-	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -DULY_EMU_NCCL_2_27 -c $< -o $@
-$(BUILD)/test_nccl_2_27: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_OBJ) \
-                         $(BUILD)/emu/nccl_emu_2_27.o
-	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 # The same tests as NCCL before 2.28 runs them: no ncclAlltoAll, every exchange send/recv.
 $(BUILD)/test_nccl_sendrecv: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_OBJ) \
                              $(BUILD)/emu/nccl_emu.o
