@@ -55,7 +55,7 @@ $(BUILD) $(BUILD)/asan:
 
 # Foundation tests (tests/test_*.c): every C test is built twice, plain in $(BUILD)/ and with
 # $(SAN) (at -O1, quicker to build) in $(BUILD)/asan/, and both run. The MPI test needs mpicc, the torch test PyTorch.
-ULY_CTESTS    = test_plan test_layer test_loss test_errors test_dtype test_torch
+ULY_CTESTS    = test_plan test_layer test_loss test_errors test_dtype test_edges test_torch
 ULY_TEST_DEPS = ulysses.h tests/check.h tests/ref64.h tests/sp_case.h tests/attn_call.h
 ULY_TORCH_RUN = $(PYTHON) tests/torch_attention.py
 HAVE_CLANG   := $(shell command -v clang >/dev/null 2>&1 && command -v clang++ >/dev/null 2>&1 && echo 1)
@@ -102,7 +102,7 @@ TEST_BINS += $(ULY_CTESTS:%=$(BUILD)/%) $(ULY_CTESTS:%=$(BUILD)/asan/%)
 TEST_BINS += $(BUILD)/test_link $(BUILD)/asan/test_link $(BUILD)/test_link_cxx
 TEST_BINS += $(BUILD)/test_static $(BUILD)/asan/test_static
 TEST_BINS += $(BUILD)/hdr/gcc-c99.o $(BUILD)/hdr/gcc-c99-nothreads.o $(BUILD)/hdr/gxx-c++17.o
-TESTS += $(foreach d,$(BUILD) $(BUILD)/asan,$(foreach t,test_plan test_layer test_loss test_errors test_dtype test_link test_static,$(d)/$(t)))
+TESTS += $(foreach d,$(BUILD) $(BUILD)/asan,$(foreach t,test_plan test_layer test_loss test_errors test_dtype test_edges test_link test_static,$(d)/$(t)))
 TESTS += $(BUILD)/test_link_cxx
 
 # The README's complete integration as printed there, seq_len 8192 cut to 256 so that it runs in
