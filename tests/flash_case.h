@@ -169,8 +169,8 @@ static outputs reference(const fcase &c, const std::vector<int> &cu_q, const std
 }
 
 /* ---------------------------------------------------------------------------------------------
-   Device tensors: dense, or padded (heads D + 8 apart, rows and batches padded by 8 more; a dim
-   of extent 1 has stride 1 instead, which no kernel may apply). Every allocation has 8 elements
+   Device tensors: dense (pad 0), or padded (heads D + 8 pad apart, rows and batches padded by
+   8 pad more; a dim of extent 1 has stride 1 instead, which no kernel may apply). Every allocation has 8 elements
    past its last batch too. What lies outside the view (the padding) holds pad_bits, a NaN in bf16
    and fp16: a kernel that reads it poisons its results, and one that writes it is caught by
    padding_written. */
@@ -182,12 +182,12 @@ typedef struct dev_tensor {
     int64_t elems; /* of the allocation */
 } dev_tensor;
 
-static dev_tensor dev_alloc(uly_dtype dt, int64_t b, int64_t s, int64_t h, int64_t d, int strided) {
+static dev_tensor dev_alloc(uly_dtype dt, int64_t b, int64_t s, int64_t h, int64_t d, int pad) {
     dev_tensor x;
     x.t = uly_dense(NULL, dt, b, s, h, d);
-    if (strided) x.t.sh = d + 8, x.t.ss = h * (d + 8) + 8, x.t.sb = s * x.t.ss + 8;
+    if (pad) x.t.sh = d + 8 * pad, x.t.ss = h * x.t.sh + 8 * pad, x.t.sb = s * x.t.ss + 8 * pad;
     x.elems = b * x.t.sb + 8;
-    if (strided) {
+    if (pad) {
         if (b == 1) x.t.sb = 1;
         if (s == 1) x.t.ss = 1;
         if (h == 1) x.t.sh = 1;

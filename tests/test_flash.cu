@@ -706,6 +706,168 @@ TEST(varlen_rejects_bad_arguments) {
     cudaFree(cu);
 }
 
+/* ---------------------------------------------------------------------------------------------
+   Edges that mutation testing found unguarded: a one-off change in a kernel's bounds, strides or
+   head mapping, or a dropped argument check, that every test above let pass. */
+
+/* A causal query block whose last row's last key is alone in its key block: Sk - Sq = 65, so
+   forward row 127 (end of query block 0, BM = 128) keeps keys <= 192 = 3 * 64, and dQ rows 63 and
+   127 (BM = 64) keep keys <= 128 and <= 192, the first key of a 64- or 128-key block. Those keys
+   are made 4 q of their row, so dropping them changes the row entirely. */
+TEST(causal_block_end_one_key_into_a_key_block) {
+    for (int64_t D : {64, 128})
+        for (int deterministic : {0, 1}) {
+            fcase c = make_case({1, 200, 265, 1, 1, 1}, D, ULY_BF16);
+            c.deterministic = deterministic;
+            inputs in = make_inputs(c, c.Sq, c.Sk);
+            const int64_t needles[2][2] = {{127, 192}, {63, 128}}; /* row, its last key */
+            for (const auto &n : needles)
+                for (int64_t d = 0; d < D; d++)
+                    in.k[(size_t)(n[1] * D + d)] = 4 * in.q[(size_t)(n[0] * D + d)];
+            check_inputs(c, in);
+        }
+}
+
+/* Non-causal, Sk = 127: the last key block is one key short of full (64 and 128 keys), so the
+   only key the tail mask removes is the zero-filled row Sk. */
+TEST(key_tail_one_short_of_a_block) {
+    for (int64_t D : {64, 128})
+        for (int deterministic : {0, 1}) {
+            fcase c = make_case({1, 65, 127, 2, 1, 0}, D, ULY_BF16);
+            c.deterministic = deterministic;
+            check_case(c);
+        }
+}
+
+/* An SP rank past the first group: global query heads 3..6 in groups of 2 read global kv heads
+   1, 2, 2, 3, i.e. local kv heads 0, 1, 1, 2 (q_head0 / kv_group = 1 is subtracted). */
+TEST(gqa_rank_past_the_first_group) {
+    for (int64_t D : {64, 128})
+        for (int deterministic : {0, 1}) {
+            fcase c = make_case({1, 65, 65, 4, 3, 1}, D, ULY_BF16);
+            c.q_head0 = 3, c.kv_group = 2, c.deterministic = deterministic;
+            check_case(c);
+        }
+}
+
+/* Each of the eight tensors padded differently (flash_case.h's dev_alloc with pads 1 to 8), so
+   no two share a stride: a kernel that steps one tensor with another's stride reads padding
+   (NaN) or other rows, or writes padding. */
+TEST(every_tensor_has_its_own_strides) {
+    for (int64_t D : {64, 128})
+        for (int deterministic : {0, 1}) {
+            fcase c = make_case({2, 129, 130, 4, 2, 1}, D, ULY_BF16);
+            c.deterministic = deterministic;
+            const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+            dev_tensor x[8]; /* q k v o dout dq dk dv */
+            for (int i = 0; i < 8; i++) {
+                const bool kv = i == 1 || i == 2 || i == 6 || i == 7;
+                x[i] = dev_alloc(c.dt, c.B, kv ? c.Sk : c.Sq, kv ? c.Hkv : c.H, c.D, i + 1);
+            }
+            upload(x[0], in.q), upload(x[1], in.k), upload(x[2], in.v), upload(x[4], in.dout);
+            uly_attn_args a;
+            memset(&a, 0, sizeof a);
+            a.q = x[0].t, a.k = x[1].t, a.v = x[2].t, a.o = x[3].t, a.dout = x[4].t;
+            a.dq = x[5].t, a.dk = x[6].t, a.dv = x[7].t;
+            const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
+            run_out got;
+            got.ok = run_kernels(c, cq, ck, false, uly_flash_attention(), a, &got.lse);
+            for (int i = 0; i < 8; i++)
+                CHECK(padding_written(x[i]) == 0, "D=%lld det=%d: padding of tensor %d written",
+                      (long long)D, deterministic, i);
+            got.o = download(x[3]), got.dq = download(x[5]), got.dk = download(x[6]);
+            got.dv = download(x[7]);
+            if (got.ok) {
+                const outputs cpu = run_cpu(c, in);
+                check_outputs(c, got, reference(c, cq, ck, false, in, false),
+                              reference(c, cq, ck, false, in, true), &cpu);
+            }
+            for (dev_tensor &t : x) cudaFree(t.t.data);
+        }
+}
+
+/* Every tensor's stride rule, not only q, k, o and dk's: each of the eight with sh 68. */
+TEST(rejects_strides_not_multiples_of_8_for_every_tensor) {
+    flash_args f = valid_args(2, 16, 2);
+    const uly_attn fa = uly_flash_attention();
+    const uly_attn_args good = f.a;
+    uly_tensor uly_attn_args::*const ts[8] = {&uly_attn_args::q,    &uly_attn_args::k,
+                                              &uly_attn_args::v,    &uly_attn_args::o,
+                                              &uly_attn_args::dout, &uly_attn_args::dq,
+                                              &uly_attn_args::dk,   &uly_attn_args::dv};
+    const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
+    for (int i = 0; i < 8; i++) {
+        f.a = good, (f.a.*ts[i]).sh -= 4;
+        char what[64];
+        snprintf(what, sizeof what, "%s: rows move in 16-byte", names[i]);
+        expect_status(fa.check(fa.ctx, &f.a, 1), ULY_EUNSUPPORTED, what, names[i]);
+        if (i < 4) expect_status(fa.check(fa.ctx, &f.a, 0), ULY_EUNSUPPORTED, what, names[i]);
+    }
+    f.a = good;
+    free_args(f);
+}
+
+/* cu_seqlens_q misaligned, as cu_seqlens_k is in varlen_rejects_bad_arguments. */
+TEST(varlen_rejects_a_misaligned_cu_seqlens_q) {
+    flash_args f = valid_args(1, 70, 2);
+    int32_t *cu = NULL;
+    const uly_varlen good = varlen_on_device({0, 40, 70}, {0, 30, 70}, &cu);
+    uly_varlen odd = good;
+    odd.cu_seqlens_q = (const int32_t *)((const char *)good.cu_seqlens_q + 2);
+    expect_status(uly_flash_varlen_fwd(&f.a, &odd), ULY_EINVAL, "4-byte aligned", "cu_q + 2");
+    expect_status(uly_flash_varlen_bwd(&f.a, &odd), ULY_EINVAL, "4-byte aligned", "cu_q + 2");
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
+    free_args(f);
+    cudaFree(cu);
+}
+
+/* More documents than the check kernel's 256 threads: the bad one, the last (it ends short of
+   the rows), is checked in a second round. */
+TEST(traps_on_cu_seqlens_bad_document_past_256) {
+    std::vector<int> cu_q, cu_k;
+    for (int b = 0; b <= 300; b++) cu_q.push_back(std::min(b, 299)), cu_k.push_back(b);
+    expect_trap(cu_q, cu_k, 300, 300, 1, 1, false);
+}
+
+/* Nothing past lse and the workspace is written: both allocated with a guard of -0.0f, which
+   any store or atomic add (even of +0) changes. */
+TEST(nothing_written_past_lse_or_workspace) {
+    for (int deterministic : {0, 1}) {
+        fcase c = make_case({1, 65, 65, 1, 1, 0}, 64, ULY_BF16);
+        c.deterministic = deterministic;
+        const inputs in = make_inputs(c, c.Sq, c.Sk);
+        dev_tensor x[8];
+        for (int i = 0; i < 8; i++) x[i] = dev_alloc(c.dt, 1, 65, 1, 64, 0);
+        upload(x[0], in.q), upload(x[1], in.k), upload(x[2], in.v), upload(x[4], in.dout);
+        uly_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.q = x[0].t, a.k = x[1].t, a.v = x[2].t, a.o = x[3].t, a.dout = x[4].t;
+        a.dq = x[5].t, a.dk = x[6].t, a.dv = x[7].t;
+        a.deterministic = deterministic;
+        const uly_attn fa = uly_flash_attention();
+        const int64_t G = 64 * 128, nlse = 65, ws = fa.workspace(fa.ctx, &a); /* guard floats */
+        std::vector<float> guard((size_t)G, -0.0f);
+        cudaMalloc((void **)&a.lse, (size_t)(nlse + G) * 4);
+        cudaMalloc(&a.workspace, (size_t)ws + G * 4);
+        a.workspace_bytes = ws;
+        cudaMemcpy(a.lse + nlse, guard.data(), G * 4, cudaMemcpyHostToDevice);
+        cudaMemcpy((char *)a.workspace + ws, guard.data(), G * 4, cudaMemcpyHostToDevice);
+        const uly_status f = fa.fwd(fa.ctx, &a), b = fa.bwd(fa.ctx, &a);
+        CHECK(!f.code && !b.code && cudaDeviceSynchronize() == cudaSuccess, "ran: %s %s", f.msg,
+              b.msg);
+        std::vector<float> after((size_t)G);
+        cudaMemcpy(after.data(), a.lse + nlse, G * 4, cudaMemcpyDeviceToHost);
+        CHECK(!memcmp(after.data(), guard.data(), G * 4), "det=%d: past lse written",
+              deterministic);
+        cudaMemcpy(after.data(), (char *)a.workspace + ws, G * 4, cudaMemcpyDeviceToHost);
+        CHECK(!memcmp(after.data(), guard.data(), G * 4), "det=%d: past the workspace written",
+              deterministic);
+        for (dev_tensor &t : x) cudaFree(t.t.data);
+        cudaFree(a.lse), cudaFree(a.workspace);
+    }
+}
+
+
 int main(void) {
 #ifdef ULY_EMU
     /* Twice as many emulator threads as hardware threads (at least 4), unless the caller chose;
