@@ -689,4 +689,137 @@ TEST(layer_rejects_packed_documents_in_a_batch) {
     check_bad(j, "varlen: q.b must be 1");
 }
 
+/* More than one 64-value chunk of device memory: every value of all 150 summed (rank r holds
+   (r + 1) * (i + 1) at i, so the sum is 10 * (i + 1)). */
+typedef struct many_job {
+    uly_status st[4];
+    int64_t wrong[4];
+} many_job;
+
+static void many_main(const uly_comm *c, void *user) {
+    many_job *j = (many_job *)user;
+    enum { N = 150 };
+    const int r = c->rank;
+    double h[N], *dev;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    for (int i = 0; i < N; i++) h[i] = (r + 1.0) * (i + 1);
+    cudaMalloc((void **)&dev, sizeof h);
+    cudaMemcpy(dev, h, sizeof h, cudaMemcpyHostToDevice);
+    j->st[r] = c->allreduce_sum(c->ctx, dev, N, s);
+    cudaStreamSynchronize(s);
+    cudaMemcpy(h, dev, sizeof h, cudaMemcpyDeviceToHost);
+    for (int i = 0; i < N; i++) j->wrong[r] += h[i] != 10.0 * (i + 1);
+    cudaFree(dev);
+    cudaStreamDestroy(s);
+}
+
+TEST(device_local_allreduce_of_device_memory_past_one_chunk) {
+    many_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = uly_cuda_local_run(4, many_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++)
+        CHECK(!j.st[r].code && !j.wrong[r], "rank %d: '%s', %lld of 150 sums wrong", r,
+              j.st[r].msg, (long long)j.wrong[r]);
+}
+
+/* A rank whose own arguments are bad (a NULL send buffer with bytes for its peers) offers its
+   peers nothing: it gets EINVAL, they ECOMM (no copy from its NULL buffer), and none hangs. */
+typedef struct badargs_job {
+    uly_status st[4];
+} badargs_job;
+
+static void badargs_main(const uly_comm *c, void *user) {
+    badargs_job *j = (badargs_job *)user;
+    const int P = c->size, r = c->rank;
+    int64_t cnt[4], off[4];
+    unsigned char *send, *recv;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    cudaMalloc((void **)&send, 64);
+    cudaMalloc((void **)&recv, 64);
+    cudaMemset(recv, 0, 64);
+    for (int q = 0; q < P; q++) cnt[q] = 4, off[q] = 4 * q;
+    j->st[r] = c->alltoallv(c->ctx, r == 0 ? NULL : send, cnt, off, recv, cnt, off, s);
+    cudaStreamSynchronize(s);
+    cudaFree(send), cudaFree(recv);
+    cudaStreamDestroy(s);
+}
+
+TEST(device_local_bad_arguments_on_one_rank_fail_every_rank) {
+    badargs_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = uly_cuda_local_run(4, badargs_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    CHECK(j.st[0].code == ULY_EINVAL && strstr(j.st[0].msg, "send is NULL"), "rank 0: '%s'",
+          j.st[0].msg);
+    for (int r = 1; r < 4; r++)
+        CHECK(j.st[r].code == ULY_ECOMM && strstr(j.st[r].msg, "rank 0 sends -1 bytes"),
+              "rank %d: '%s'", r, j.st[r].msg);
+}
+
+/* The device-local barrier holds every rank until all arrive (rank r comes 20 r ms late). */
+typedef struct dl_barrier_job {
+    int arrived[4];
+    int early[4]; /* ranks not yet arrived when this one left the barrier */
+    uly_status st[4];
+} dl_barrier_job;
+
+static void dl_barrier_main(const uly_comm *c, void *user) {
+    dl_barrier_job *j = (dl_barrier_job *)user;
+    const struct timespec late = {0, 20000000L * c->rank};
+    nanosleep(&late, NULL);
+    __atomic_store_n(&j->arrived[c->rank], 1, __ATOMIC_SEQ_CST);
+    j->st[c->rank] = c->barrier(c->ctx);
+    for (int q = 0; q < c->size; q++)
+        j->early[c->rank] += !__atomic_load_n(&j->arrived[q], __ATOMIC_SEQ_CST);
+}
+
+TEST(device_local_barrier_holds_every_rank_until_all_arrive) {
+    dl_barrier_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = uly_cuda_local_run(4, dl_barrier_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++)
+        CHECK(!j.st[r].code && !j.early[r], "rank %d: '%s', left while %d ranks had not arrived",
+              r, j.st[r].msg, j.early[r]);
+}
+
+/* The other two grid dims: 65536 batches (the grid's z) or 65536 query heads (its y) are
+   EUNSUPPORTED before anything runs, forward and backward. The views are never read. */
+TEST(reference_attention_rejects_65536_batches_or_query_heads) {
+    const uly_attn ref = uly_cuda_reference_attention();
+    alignas(16) static float buf[16];
+    for (int which = 0; which < 2; which++)
+        for (int backward = 0; backward < 2; backward++) {
+            uly_attn_args a;
+            memset(&a, 0, sizeof a);
+            const int64_t B = which ? 1 : 65536, H = which ? 65536 : 1;
+            a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_F32, B, 1, H, 8);
+            a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_F32, B, 1, 1, 8);
+            a.kv_group = 0, a.lse = buf, a.workspace = buf;
+            a.workspace_bytes = INT64_MAX / 2;
+            const uly_status st = ref.check(ref.ctx, &a, backward);
+            CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "must be <= 65535"),
+                  "%s, %s: code %d '%s'", which ? "q.h 65536" : "q.b 65536",
+                  backward ? "backward" : "forward", (int)st.code, st.msg);
+        }
+}
+
+/* Rows of more than 256 elements (the kernels' fp32 accumulators) are EUNSUPPORTED. */
+TEST(reference_attention_rejects_a_head_dim_past_256) {
+    const uly_attn ref = uly_cuda_reference_attention();
+    alignas(16) static float buf[16];
+    for (int backward = 0; backward < 2; backward++) {
+        uly_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.q = a.o = a.dout = a.dq = a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_F32, 1, 1, 1, 257);
+        a.lse = buf, a.workspace = buf, a.workspace_bytes = 1 << 20;
+        const uly_status st = ref.check(ref.ctx, &a, backward);
+        CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "q.d (257) > 256"), "%s: code %d '%s'",
+              backward ? "backward" : "forward", (int)st.code, st.msg);
+    }
+}
+
 int main(void) { return uly_run_tests(); }

@@ -50,6 +50,7 @@ static const lcase cases[] = {
     {4, 2, 13, 8, 2, 4},  /* Hkv < P: every kv head on two ranks */
     {4, 3, 9, 4, 1, 3},   /* MQA: one kv head on all ranks; odd D */
     {4, 1, 10, 6, 3, 16}, /* H_r = 2, 2, 1, 1 */
+    {2, 2, 5, 8, 4, 8},   /* fewer tokens than heads a rank: S_r = 3, 2 and H_r = 4 */
 };
 enum { NCASES = sizeof cases / sizeof *cases };
 
@@ -712,5 +713,82 @@ TEST(rejects_an_uninitialized_plan_or_exchange) {
                   "x (7) is not a uly_xchg");
     bad_free(&b);
 }
+
+#ifdef ULY_EMU
+/* The access width reads every stride and both pointers, not only D: a view whose batch or token
+   stride is padded by one element, or an exchange buffer one element in (both valid: only element
+   alignment is asked), with D = 16 and a 16-byte aligned tensor base, takes single-element
+   accesses, and still follows the formulas bit for bit. */
+static void check_padded(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unpack,
+                         int64_t pad_sb, int64_t pad_ss, int64_t buf_shift) {
+    uly_plan p;
+    const uly_status ps = plan_of(c, rank, t, &p);
+    CHECK(!ps.code, "plan: %s", ps.msg);
+    if (ps.code) return;
+    const int64_t es = uly_dtype_size(t);
+    const side sd = side_of(&p, c, rank, x, unpack);
+    uly_tensor v = tensor_in(NULL, DENSE, t, c, sd);
+    v.ss += pad_ss, v.sb = sd.s * v.ss + pad_sb;
+    buf tb = buf_new(c->B * v.sb * es);
+    buf xb = buf_new((unpack ? uly_recv_bytes(&p, x) : uly_send_bytes(&p, x)) + buf_shift * es);
+    buf_fill(&tb, t, 7);
+    buf_fill(&xb, t, 11);
+    uly_status st[NIMPL];
+    std::vector<uly_emu_op> ops;
+    for (int i = 0; i < NIMPL; i++) {
+        v.data = tb.at[i];
+        if (i == GPU) uly_emu_record_reset();
+        st[i] = layout_move(layout_of(i), &p, x, unpack, v, xb.at[i] + buf_shift * es, 0);
+        if (i == GPU) ops = uly_emu_recorded_ops();
+    }
+    const cudaError_t e = cudaDeviceSynchronize();
+    const buf *out = unpack ? &tb : &xb;
+    const int64_t cpu = buf_diff(out, CPU), gpu = buf_diff(out, GPU);
+    CHECK(!st[CPU].code && !st[GPU].code && !e && !cpu && !gpu,
+          "%s %s, %s, rank %d, pad sb %lld ss %lld buf %lld: cpu '%s', gpu '%s', cuda '%s'; %lld "
+          "bytes of cpu, %lld of gpu differ from the formulas", unpack ? "unpack" : "pack",
+          xnames[x], dtype_name(t), rank, (long long)pad_sb, (long long)pad_ss,
+          (long long)buf_shift, st[CPU].msg, st[GPU].msg, cudaGetErrorString(e), (long long)cpu,
+          (long long)gpu);
+    CHECK(!ops.empty(), "%s %s: nothing launched", unpack ? "unpack" : "pack", xnames[x]);
+    for (const uly_emu_op &op : ops)
+        CHECK(is_box_copy(t, op.kernel, (int)es), "%s %s, %s, pad sb %lld ss %lld buf %lld: "
+              "launched %s, want the box kernel of single-element accesses",
+              unpack ? "unpack" : "pack", xnames[x], dtype_name(t), (long long)pad_sb,
+              (long long)pad_ss, (long long)buf_shift, op.what);
+    buf_free(&tb);
+    buf_free(&xb);
+}
+
+TEST(padded_strides_and_shifted_buffers_take_element_accesses) {
+    const lcase c = {2, 2, 8, 4, 1, 16}; /* 16-byte aligned rows; the DKV unpack sums */
+    for (int r = 0; r < c.P; r++)
+        for (int t = 0; t < 3; t++)
+            for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
+                for (int unpack = 0; unpack < 2; unpack++) {
+                    check_padded(&c, r, dtypes[t], (uly_xchg)x, unpack, 1, 0, 0);
+                    check_padded(&c, r, dtypes[t], (uly_xchg)x, unpack, 0, 1, 0);
+                    check_padded(&c, r, dtypes[t], (uly_xchg)x, unpack, 0, 0, 1);
+                }
+}
+
+/* The grid of boxes_larger_than_the_grid is at most ULY__COPY_BLOCKS blocks in all (columns
+   share them), so the threads there do stride over their boxes. */
+TEST(the_grid_shares_its_blocks_among_the_columns) {
+    const lcase c = {8, 2, 2048, 16, 16, 97};
+    for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
+        for (int unpack = 0; unpack < 2; unpack++) {
+            unsigned long long allocs;
+            const std::vector<uly_emu_op> ops =
+                record_one(&c, 3, ULY_F32, (uly_xchg)x, unpack, HEADS_OUTER, 0, &allocs);
+            CHECK(ops.size() == 1 && (unsigned long long)ops[0].grid.x * ops[0].grid.y <=
+                                         ULY__COPY_BLOCKS,
+                  "%s %s: %zu launches, grid %u x %u, want one of at most %d blocks",
+                  unpack ? "unpack" : "pack", xnames[x], ops.size(),
+                  ops.empty() ? 0u : ops[0].grid.x, ops.empty() ? 0u : ops[0].grid.y,
+                  (int)ULY__COPY_BLOCKS);
+        }
+}
+#endif
 
 int main(void) { return uly_run_tests(); }

@@ -979,3 +979,131 @@ TEST(nonblocking_call_that_never_completes_is_ecomm_after_the_timeout) {
           "rank 0: '%s' after %.3f s", j.st[0].msg, j.waited[0]);
     CHECK(!j.st[1].code, "rank 1: '%s'", j.st[1].msg);
 }
+
+/* What uly_nccl_wait returns and how long it waited, per rank. */
+typedef struct busy_job {
+    uly_status st[2];
+    double waited[2];
+} busy_job;
+
+/* A timeout of 0 is no limit: uly_nccl_wait on a stream busy for 50 ms waits for it. */
+static void busy_main(const uly_comm *c, void *user) {
+    busy_job *j = (busy_job *)user;
+    const int r = c->rank;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    uly_emu_queue(s, [] {
+        const struct timespec busy = {0, 50000000L};
+        nanosleep(&busy, NULL);
+    });
+    const double t0 = seconds();
+    j->st[r] = uly_nccl_wait(nccl_of(c), s, 0);
+    j->waited[r] = seconds() - t0;
+    cudaStreamDestroy(s);
+}
+
+TEST(wait_without_a_timeout_waits_for_a_busy_stream) {
+    busy_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, busy_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(!j.st[r].code && j.waited[r] >= 0.04, "rank %d: '%s' after %.3f s, want success "
+              "once the stream is done", r, j.st[r].msg, j.waited[r]);
+}
+
+#if ULY_NCCL_ALLTOALL
+/* alltoall's own arguments: a negative size, or a NULL buffer with bytes to move, is EINVAL on
+   the rank that passed it, before any collective (each rank here calls it alone). */
+typedef struct a2a_args_job {
+    uly_status st[2][3];
+    int none; /* an NCCL without ncclAlltoAll at run time: nothing to check */
+} a2a_args_job;
+
+static void a2a_args_main(const uly_comm *c, void *user) {
+    a2a_args_job *j = (a2a_args_job *)user;
+    const int r = c->rank;
+    char *buf;
+    if (!c->alltoall) {
+        j->none = 1;
+        return;
+    }
+    cudaMalloc((void **)&buf, 64);
+    j->st[r][0] = c->alltoall(c->ctx, buf, buf + 32, -2, NULL);
+    j->st[r][1] = c->alltoall(c->ctx, NULL, buf, 8, NULL);
+    j->st[r][2] = c->alltoall(c->ctx, buf, NULL, 8, NULL);
+    cudaFree(buf);
+}
+
+TEST(alltoall_rejects_a_negative_size_and_null_buffers) {
+    a2a_args_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, a2a_args_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2 && !j.none; r++)
+        for (int k = 0; k < 3; k++)
+            CHECK(j.st[r][k].code == ULY_EINVAL && strstr(j.st[r][k].msg, "alltoall: bytes"),
+                  "rank %d, case %d: code %d '%s', want EINVAL", r, k, (int)j.st[r][k].code,
+                  j.st[r][k].msg);
+}
+#endif
+
+/* A host-memory allreduce_sum behind work stuck on its stream (queued, never run: a collective
+   waiting on a dead peer) gives up after the timeout; it must not start the copy of pageable
+   memory, which would wait for the stream with no timeout (the emulator aborts there). */
+typedef struct queued_job {
+    uly_status st[2];
+} queued_job;
+
+static void queued_main(const uly_comm *c, void *user) {
+    queued_job *j = (queued_job *)user;
+    const int r = c->rank;
+    cudaStream_t s;
+    double host[2] = {1, 2}, *dev;
+    cudaMalloc((void **)&dev, sizeof(double));
+    cudaStreamCreate(&s);
+    uly_emu_stall_stream(s, true);
+    cudaMemsetAsync(dev, 0, sizeof(double), s); /* stuck behind the stall */
+    j->st[r] = c->allreduce_sum(c->ctx, host, 2, s);
+    uly_emu_stall_stream(s, false);
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+    cudaFree(dev);
+}
+
+TEST(host_allreduce_behind_stuck_work_gives_up_before_copying) {
+    queued_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run_timed(2, queued_main, &j, 0.05);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(j.st[r].code == ULY_ECOMM && strstr(j.st[r].msg, "not done after"),
+              "rank %d: '%s'", r, j.st[r].msg);
+}
+
+/* sp_size must be positive: 0 and -2 (which "divides" 4) are EINVAL, before any split. */
+typedef struct badsp_job {
+    uly_status st[4][2];
+} badsp_job;
+
+static void badsp_main(const uly_comm *c, void *user) {
+    badsp_job *j = (badsp_job *)user;
+    const int bad[2] = {0, -2};
+    for (int k = 0; k < 2; k++) {
+        ncclComm_t sp = NULL, dp = NULL;
+        j->st[c->rank][k] = uly_nccl_split(nccl_of(c), bad[k], 0, &sp, &dp);
+        if (sp) ncclCommDestroy(sp);
+        if (dp) ncclCommDestroy(dp);
+    }
+}
+
+TEST(split_rejects_an_sp_size_below_one) {
+    badsp_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(4, badsp_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++)
+        for (int k = 0; k < 2; k++)
+            CHECK(j.st[r][k].code == ULY_EINVAL && strstr(j.st[r][k].msg, "sp_size"),
+                  "rank %d, sp_size %d: '%s'", r, k ? -2 : 0, j.st[r][k].msg);
+}
