@@ -791,10 +791,10 @@ TEST(rejects_strides_not_multiples_of_8_for_every_tensor) {
     flash_args f = valid_args(2, 16, 2);
     const uly_attn fa = uly_flash_attention();
     const uly_attn_args good = f.a;
-    uly_tensor uly_attn_args::*const ts[8] = {&uly_attn_args::q,    &uly_attn_args::k,
-                                              &uly_attn_args::v,    &uly_attn_args::o,
-                                              &uly_attn_args::dout, &uly_attn_args::dq,
-                                              &uly_attn_args::dk,   &uly_attn_args::dv};
+    typedef uly_tensor uly_attn_args::*tensor_of;
+    const tensor_of ts[8] = {&uly_attn_args::q,  &uly_attn_args::k,    &uly_attn_args::v,
+                             &uly_attn_args::o,  &uly_attn_args::dout, &uly_attn_args::dq,
+                             &uly_attn_args::dk, &uly_attn_args::dv};
     const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
     for (int i = 0; i < 8; i++) {
         f.a = good, (f.a.*ts[i]).sh -= 4;
