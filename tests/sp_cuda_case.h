@@ -14,6 +14,8 @@
 
 #include "flash_case.h"
 
+#include <time.h>
+
 static const char *const output_names[] = {"out", "lse", "dq", "dk", "dv"};
 
 static const char *dtype_name(uly_dtype t) {
@@ -316,6 +318,36 @@ static void check_layer(const sp_case *c, uly_dtype t, sp_runner run) {
     }
 done:
     sp_free(&layer), sp_free(&whole), sp_free(&cpu);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   A communicator's barrier holds every rank until all arrive: rank r comes 20 r ms late, and
+   none may leave before the last has come. run is the communicator's uly_local_run. */
+
+typedef struct barrier_job {
+    int arrived[4];
+    int early[4]; /* ranks not yet arrived when this one left the barrier */
+    uly_status st[4];
+} barrier_job;
+
+static void barrier_main(const uly_comm *c, void *user) {
+    barrier_job *j = (barrier_job *)user;
+    const struct timespec late = {0, 20000000L * c->rank}; /* the last rank comes 60 ms late */
+    nanosleep(&late, NULL);
+    __atomic_store_n(&j->arrived[c->rank], 1, __ATOMIC_SEQ_CST);
+    j->st[c->rank] = c->barrier(c->ctx);
+    for (int q = 0; q < c->size; q++)
+        j->early[c->rank] += !__atomic_load_n(&j->arrived[q], __ATOMIC_SEQ_CST);
+}
+
+static void check_barrier(uly_status (*run)(int, void (*)(const uly_comm *, void *), void *)) {
+    barrier_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = run(4, barrier_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++)
+        CHECK(!j.st[r].code && !j.early[r], "rank %d: '%s', left while %d ranks had not arrived",
+              r, j.st[r].msg, j.early[r]);
 }
 
 #endif

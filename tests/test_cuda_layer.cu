@@ -759,31 +759,9 @@ TEST(device_local_bad_arguments_on_one_rank_fail_every_rank) {
               "rank %d: '%s'", r, j.st[r].msg);
 }
 
-/* The device-local barrier holds every rank until all arrive (rank r comes 20 r ms late). */
-typedef struct dl_barrier_job {
-    int arrived[4];
-    int early[4]; /* ranks not yet arrived when this one left the barrier */
-    uly_status st[4];
-} dl_barrier_job;
-
-static void dl_barrier_main(const uly_comm *c, void *user) {
-    dl_barrier_job *j = (dl_barrier_job *)user;
-    const struct timespec late = {0, 20000000L * c->rank};
-    nanosleep(&late, NULL);
-    __atomic_store_n(&j->arrived[c->rank], 1, __ATOMIC_SEQ_CST);
-    j->st[c->rank] = c->barrier(c->ctx);
-    for (int q = 0; q < c->size; q++)
-        j->early[c->rank] += !__atomic_load_n(&j->arrived[q], __ATOMIC_SEQ_CST);
-}
-
+/* sp_cuda_case.h's barrier check, as test_nccl runs it for NCCL's. */
 TEST(device_local_barrier_holds_every_rank_until_all_arrive) {
-    dl_barrier_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = uly_cuda_local_run(4, dl_barrier_main, &j);
-    CHECK(!st.code, "%s", st.msg);
-    for (int r = 0; r < 4; r++)
-        CHECK(!j.st[r].code && !j.early[r], "rank %d: '%s', left while %d ranks had not arrived",
-              r, j.st[r].msg, j.early[r]);
+    check_barrier(uly_cuda_local_run);
 }
 
 /* The other two grid dims: 65536 batches (the grid's z) or 65536 query heads (its y) are

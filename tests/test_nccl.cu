@@ -565,31 +565,7 @@ TEST(without_scratch_host_memory_and_barrier_are_unsupported) {
     }
 }
 
-typedef struct barrier_job {
-    int arrived[4];
-    int early[4]; /* ranks not yet arrived when this one left the barrier */
-    uly_status st[4];
-} barrier_job;
-
-static void barrier_main(const uly_comm *c, void *user) {
-    barrier_job *j = (barrier_job *)user;
-    const struct timespec late = {0, 20000000L * c->rank}; /* the last rank comes 60 ms late */
-    nanosleep(&late, NULL);
-    __atomic_store_n(&j->arrived[c->rank], 1, __ATOMIC_SEQ_CST);
-    j->st[c->rank] = c->barrier(c->ctx);
-    for (int q = 0; q < c->size; q++)
-        j->early[c->rank] += !__atomic_load_n(&j->arrived[q], __ATOMIC_SEQ_CST);
-}
-
-TEST(barrier_holds_every_rank_until_all_arrive) {
-    barrier_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(4, barrier_main, &j);
-    CHECK(!st.code, "%s", st.msg);
-    for (int r = 0; r < 4; r++)
-        CHECK(!j.st[r].code && !j.early[r], "rank %d: '%s', left while %d ranks had not arrived",
-              r, j.st[r].msg, j.early[r]);
-}
+TEST(barrier_holds_every_rank_until_all_arrive) { check_barrier(nccl_run); }
 
 /* ---------------------------------------------------------------------------------------------
    uly_nccl_split */
