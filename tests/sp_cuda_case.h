@@ -320,6 +320,17 @@ done:
     sp_free(&layer), sp_free(&whole), sp_free(&cpu);
 }
 
+#ifdef ULY_EMU
+/* Work on s that keeps it busy for ms milliseconds, so that whatever reads the stream's later
+   results before waiting for it reads them stale. */
+static void sleep_on_stream(cudaStream_t s, long ms) {
+    uly_emu_queue(s, [ms] {
+        const struct timespec t = {ms / 1000, ms % 1000 * 1000000L};
+        nanosleep(&t, NULL);
+    });
+}
+#endif
+
 /* ---------------------------------------------------------------------------------------------
    A communicator's barrier holds every rank until all arrive: rank r comes 20 r ms late, and
    none may leave before the last has come. run is the communicator's uly_local_run. */

@@ -575,10 +575,7 @@ static void pinned_main(const uly_comm *c, void *user) {
     cudaMemcpy(dev, &x, sizeof x, cudaMemcpyHostToDevice);
     *pin = 0;
 #ifdef ULY_EMU
-    uly_emu_queue(s, [] {
-        const struct timespec late = {0, 50000000L};
-        nanosleep(&late, NULL);
-    });
+    sleep_on_stream(s, 50);
 #endif
     cudaMemcpyAsync(pin, dev, sizeof x, cudaMemcpyDeviceToHost, s);
     j->st[r] = c->allreduce_sum(c->ctx, pin, 1, s);

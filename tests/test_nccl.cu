@@ -956,22 +956,13 @@ TEST(nonblocking_call_that_never_completes_is_ecomm_after_the_timeout) {
     CHECK(!j.st[1].code, "rank 1: '%s'", j.st[1].msg);
 }
 
-/* What uly_nccl_wait returns and how long it waited, per rank. */
-typedef struct busy_job {
-    uly_status st[2];
-    double waited[2];
-} busy_job;
-
 /* A timeout of 0 is no limit: uly_nccl_wait on a stream busy for 50 ms waits for it. */
 static void busy_main(const uly_comm *c, void *user) {
-    busy_job *j = (busy_job *)user;
+    stall_job *j = (stall_job *)user;
     const int r = c->rank;
     cudaStream_t s;
     cudaStreamCreate(&s);
-    uly_emu_queue(s, [] {
-        const struct timespec busy = {0, 50000000L};
-        nanosleep(&busy, NULL);
-    });
+    sleep_on_stream(s, 50);
     const double t0 = seconds();
     j->st[r] = uly_nccl_wait(nccl_of(c), s, 0);
     j->waited[r] = seconds() - t0;
@@ -979,7 +970,7 @@ static void busy_main(const uly_comm *c, void *user) {
 }
 
 TEST(wait_without_a_timeout_waits_for_a_busy_stream) {
-    busy_job j;
+    stall_job j;
     memset(&j, 0, sizeof j);
     uly_status st = nccl_run(2, busy_main, &j);
     CHECK(!st.code, "%s", st.msg);
