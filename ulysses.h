@@ -228,8 +228,9 @@ typedef struct uly_mpi {
 } uly_mpi;
 /* Sets MPI_ERRORS_RETURN on m->comm, so MPI failures come back as ULY_ECOMM with MPI's message.
    Any size: a world's for uly_loss_reduce, but alltoallv (an SP group's) takes at most
-   ULY_MAX_SP ranks. out points to m, which must outlive it. out->device is 0: host buffers (MPI calls do not wait
-   for a CUDA stream, so the GPU layer takes NCCL's communicator instead). */
+   ULY_MAX_SP ranks. out points to m, which must outlive it. out->device is 0: host buffers
+   (MPI calls do not wait for a CUDA stream, so the GPU layer takes NCCL's communicator
+   instead). */
 ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out);
 /* Splits a world into SP groups of sp_size consecutive ranks and DP groups across them. */
 ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp);
@@ -1497,7 +1498,7 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
 /* The attentions' rule for their workspace: need bytes (what workspace(ctx, a) gives; -1 when
    that overflows int64), at an address aligned to align. */
 static uly_status uly__check_workspace(const uly_attn_args *a, int64_t need, int align) {
-    ULY__CHECK(need >= 0, ULY_EOVERFLOW, "workspace: its size overflows int64");
+    ULY__CHECK(need >= 0, ULY_EOVERFLOW, "the workspace's bytes overflow int64");
     ULY__CHECK(a->workspace && (uintptr_t)a->workspace % align == 0, ULY_EINVAL,
                "workspace is NULL or not %d-byte aligned", align);
     ULY__CHECK(a->workspace_bytes >= need, ULY_EINVAL,

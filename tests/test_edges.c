@@ -122,8 +122,6 @@ TEST(share_and_meet_at_their_boundaries) {
     CHECK(!uly__share(all, one), "the next head, whose unused sh differs, is apart");
 }
 
-/* ---- layer driver: a P = 2 layer with stub communicators ---- */
-static int a2av_calls, a2a_calls;
 static uly_status stub(const char *m) {
     uly_status st;
     memset(&st, 0, sizeof st);
@@ -131,99 +129,8 @@ static uly_status stub(const char *m) {
     snprintf(st.msg, sizeof st.msg, "%s", m);
     return st;
 }
-static uly_status s_a2av(void *c, const void *s, const int64_t *sc, const int64_t *so, void *r,
-                         const int64_t *rc, const int64_t *ro, void *st) {
-    (void)c, (void)s, (void)sc, (void)so, (void)r, (void)rc, (void)ro, (void)st;
-    a2av_calls++;
-    return stub("alltoallv");
-}
-static uly_status s_a2a(void *c, const void *s, void *r, int64_t n, void *st) {
-    (void)c, (void)s, (void)r, (void)n, (void)st;
-    a2a_calls++;
-    return stub("alltoall");
-}
-typedef struct lay {
-    uly_plan p;
-    uly_comm c;
-    uly_layer L;
-    float *buf;
-    void *saved;
-    int64_t sb;
-    uly_tensor q, k, v, o;
-} lay;
-static void lay_init(lay *f, int64_t S) {
-    uly_status st;
-    memset(f, 0, sizeof *f);
-    f->p = plan_of(2, 0, 1, S, 4, 2, 4, ULY_F32, 0, &st);
-    f->c.size = 2, f->c.alltoallv = s_a2av, f->c.alltoall = s_a2a;
-    f->L.plan = &f->p, f->L.comm = &f->c;
-    f->L.attn = uly_cpu_attention(), f->L.layout = uly_cpu_layout();
-    f->L.workspace_bytes = uly_layer_workspace(&f->L);
-    f->L.workspace = malloc((size_t)f->L.workspace_bytes);
-    f->sb = uly_saved_bytes(&f->p), f->saved = malloc((size_t)f->sb);
-    int64_t Sr = uly_tokens(&f->p, 0).count;
-    f->buf = (float *)calloc((size_t)(Sr * 12 * 4), sizeof(float));
-    f->q = uly_dense(f->buf, ULY_F32, 1, Sr, 4, 4);
-    f->k = uly_dense(f->buf + Sr * 16, ULY_F32, 1, Sr, 2, 4);
-    f->v = uly_dense(f->buf + Sr * 24, ULY_F32, 1, Sr, 2, 4);
-    f->o = uly_dense(f->buf + Sr * 32, ULY_F32, 1, Sr, 4, 4);
-}
-static uly_status lay_fwd(lay *f) {
-    return uly_forward(&f->L, f->q, f->k, f->v, f->o, f->saved, f->sb);
-}
-static void lay_free(lay *f) { free(f->L.workspace), free(f->saved), free(f->buf); }
 
-TEST(alltoall_only_when_every_block_has_one_size) {
-    lay f;
-    lay_init(&f, 7); /* tokens 4 and 3: uneven */
-    a2av_calls = a2a_calls = 0;
-    uly_status st = lay_fwd(&f);
-    CHECK(a2a_calls == 0 && a2av_calls == 1 && has(st, "alltoallv"), "S 7: %d, %d: %s", a2a_calls,
-          a2av_calls, st.msg);
-    lay_free(&f);
-    lay_init(&f, 8);
-    a2av_calls = a2a_calls = 0;
-    st = lay_fwd(&f);
-    CHECK(a2a_calls == 1 && a2av_calls == 0, "S 8: %d, %d: %s", a2a_calls, a2av_calls, st.msg);
-    lay_free(&f);
-}
-TEST(layer_workspace_one_byte_short_is_refused_even_if_the_attention_does_not_check) {
-    lay f;
-    lay_init(&f, 8);
-    f.L.attn.check = NULL;
-    f.L.workspace_bytes -= 1;
-    a2av_calls = a2a_calls = 0;
-    uly_status st = lay_fwd(&f);
-    CHECK(st.code == ULY_EINVAL && a2a_calls + a2av_calls == 0, "%s", st.msg);
-    lay_free(&f);
-}
-TEST(a_comm_max_bytes_below_the_largest_message_is_refused) {
-    lay f;
-    lay_init(&f, 8);
-    f.c.max_bytes = 8;
-    a2av_calls = a2a_calls = 0;
-    uly_status st = lay_fwd(&f);
-    CHECK(st.code == ULY_EOVERFLOW && a2a_calls + a2av_calls == 0, "%s", st.msg);
-    lay_free(&f);
-}
-static const uly_layer *seen_layer;
-static int ws_seen;
-static uly_status see_ws(void *ctx, const uly_attn_args *a, int backward) {
-    (void)ctx, (void)backward;
-    ws_seen++;
-    const char *end = (const char *)seen_layer->workspace + seen_layer->workspace_bytes;
-    CHECK((const char *)a->workspace + a->workspace_bytes == end, "attention's workspace ends "
-          "%lld bytes past the layer's", (long long)((const char *)a->workspace + a->workspace_bytes - end));
-    return stub("checked");
-}
-TEST(the_attention_gets_the_workspace_bytes_left_after_the_layers_part) {
-    lay f;
-    lay_init(&f, 8);
-    f.L.attn.check = see_ws, seen_layer = &f.L, ws_seen = 0;
-    lay_fwd(&f);
-    CHECK(ws_seen == 1, "the attention's check ran %d times", ws_seen);
-    lay_free(&f);
-}
+/* ---- layer driver (the checks before an exchange are test_errors') ---- */
 static int packs, unpacks;
 static void count_phase(void *u, uly_phase ph, int end) {
     (void)u;

@@ -230,11 +230,12 @@ typedef struct fixture {
     int64_t saved_bytes;
 } fixture;
 
-static void fixture_init(fixture *f) {
+/* The fixture with seq_len S <= FS (rank 0 holds at most FSR tokens). */
+static void fixture_init_len(fixture *f, int64_t S) {
     memset(f, 0, sizeof *f);
     uly_plan_desc d;
     memset(&d, 0, sizeof d);
-    d.world_size = 2, d.rank = 0, d.sp_size = 2, d.batch = FB, d.seq_len = FS, d.n_heads = FH,
+    d.world_size = 2, d.rank = 0, d.sp_size = 2, d.batch = FB, d.seq_len = S, d.n_heads = FH,
     d.n_kv_heads = FHKV, d.head_dim = FD, d.dtype = ULY_F32;
     uly_status st = uly_plan_init(&f->plan, &d);
     CHECK(st.code == ULY_OK, "fixture plan: %s", st.msg);
@@ -251,15 +252,17 @@ static void fixture_init(fixture *f) {
     f->L.workspace = f->ws;
     f->saved_bytes = uly_saved_bytes(&f->plan);
     f->saved = f->saved_buf = malloc((size_t)f->saved_bytes);
-    f->tq = uly_dense(f->q, ULY_F32, FB, FSR, FH, FD);
-    f->tk = uly_dense(f->k, ULY_F32, FB, FSR, FHKV, FD);
-    f->tv = uly_dense(f->v, ULY_F32, FB, FSR, FHKV, FD);
-    f->to = uly_dense(f->o, ULY_F32, FB, FSR, FH, FD);
-    f->tdo = uly_dense(f->o, ULY_F32, FB, FSR, FH, FD);
-    f->tdq = uly_dense(f->dq, ULY_F32, FB, FSR, FH, FD);
-    f->tdk = uly_dense(f->dk, ULY_F32, FB, FSR, FHKV, FD);
-    f->tdv = uly_dense(f->dv, ULY_F32, FB, FSR, FHKV, FD);
+    const int64_t n = uly_tokens(&f->plan, 0).count;
+    f->tq = uly_dense(f->q, ULY_F32, FB, n, FH, FD);
+    f->tk = uly_dense(f->k, ULY_F32, FB, n, FHKV, FD);
+    f->tv = uly_dense(f->v, ULY_F32, FB, n, FHKV, FD);
+    f->to = uly_dense(f->o, ULY_F32, FB, n, FH, FD);
+    f->tdo = uly_dense(f->o, ULY_F32, FB, n, FH, FD);
+    f->tdq = uly_dense(f->dq, ULY_F32, FB, n, FH, FD);
+    f->tdk = uly_dense(f->dk, ULY_F32, FB, n, FHKV, FD);
+    f->tdv = uly_dense(f->dv, ULY_F32, FB, n, FHKV, FD);
 }
+static void fixture_init(fixture *f) { fixture_init_len(f, FS); }
 static void fixture_free(fixture *f) {
     free(f->ws);
     free(f->saved_buf);
@@ -290,6 +293,12 @@ static uly_status f_comm_null(fixture *f) { f->L.comm = NULL; return fwd(f); }
 static uly_status f_plan_null(fixture *f) { f->L.plan = NULL; return fwd(f); }
 static uly_status f_ws_null(fixture *f) { f->L.workspace = NULL; return fwd(f); }
 static uly_status f_ws_small(fixture *f) { f->L.workspace_bytes -= 1; return fwd(f); }
+/* the layer's own check, not only the attention's */
+static uly_status f_ws_small_unchecked(fixture *f) {
+    f->L.attn.check = NULL, f->L.workspace_bytes -= 1;
+    return fwd(f);
+}
+static uly_status f_comm_max_bytes(fixture *f) { f->comm.max_bytes = 8; return fwd(f); }
 static uly_status f_attn_null(fixture *f) { f->L.attn.fwd = NULL; return fwd(f); }
 static uly_status f_layout_null(fixture *f) { f->L.layout.pack = NULL; return fwd(f); }
 static uly_status f_saved_null(fixture *f) { f->saved = NULL; return fwd(f); }
@@ -366,6 +375,10 @@ static const layer_bad layer_table[] = {
     {"forward: plan's dtype changed after init", f_plan_dtype_changed, ULY_EINVAL, "plan"},
     {"forward: workspace NULL", f_ws_null, ULY_EINVAL, "workspace"},
     {"forward: workspace one byte short", f_ws_small, ULY_EINVAL, "workspace"},
+    {"forward: workspace one byte short, the attention without a check", f_ws_small_unchecked,
+     ULY_EINVAL, "layer.workspace_bytes"},
+    {"forward: comm.max_bytes below the largest message", f_comm_max_bytes, ULY_EOVERFLOW,
+     "layer.comm->max_bytes"},
     {"forward: attn.fwd NULL", f_attn_null, ULY_EINVAL, "attn.fwd"},
     {"forward: layout.pack NULL", f_layout_null, ULY_EINVAL, "layout.pack"},
     {"forward: saved NULL", f_saved_null, ULY_EINVAL, "saved"},
@@ -417,6 +430,54 @@ TEST(cpu_layout_rejects_a_plan_changed_after_init) {
     uly_layout cpu = uly_cpu_layout();
     check_status(cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, f->tk, f->ws, NULL), ULY_EINVAL,
                  "plan is NULL or not as uly_plan_init made it", "pack with n_kv_heads changed");
+    fixture_free(f);
+    free(f);
+}
+
+/* The layer calls the optional alltoall only where every block of every rank has one size:
+   S = 8 over 2 ranks (4 tokens each), not S = 7 (4 and 3). */
+static int stub_alltoall_calls;
+static uly_status stub_alltoall(void *ctx, const void *s, void *r, int64_t n, void *stream) {
+    (void)s, (void)r, (void)n;
+    stub_alltoall_calls++;
+    return stub_a2a(ctx, NULL, NULL, NULL, NULL, NULL, NULL, stream);
+}
+
+TEST(alltoall_only_where_every_block_has_one_size) {
+    for (int64_t S = FS - 1; S <= FS; S++) {
+        fixture *f = (fixture *)malloc(sizeof *f);
+        fixture_init_len(f, S);
+        f->comm.alltoall = stub_alltoall;
+        stub_calls = stub_alltoall_calls = 0;
+        check_status(fwd(f), ULY_ECOMM, "stub communicator called", "forward, stub comm");
+        CHECK(stub_alltoall_calls == (S == FS) && stub_calls == 1,
+              "S %lld: alltoall called %d times, alltoallv %d; want %d, 1", (long long)S,
+              stub_alltoall_calls, stub_calls - stub_alltoall_calls, S == FS);
+        fixture_free(f);
+        free(f);
+    }
+}
+
+/* The attention gets what is left of the layer's workspace after the layer's own part: its
+   workspace ends where the layer's does. */
+static const uly_layer *seen_layer;
+static int ws_seen;
+static uly_status see_workspace(void *ctx, const uly_attn_args *a, int backward) {
+    (void)ctx, (void)backward;
+    const char *end = (const char *)seen_layer->workspace + seen_layer->workspace_bytes;
+    ws_seen++;
+    CHECK((const char *)a->workspace + a->workspace_bytes == end, "the attention's workspace "
+          "ends %lld bytes past the layer's",
+          (long long)((const char *)a->workspace + a->workspace_bytes - end));
+    return uly__err(ULY_EUNSUPPORTED, "checked");
+}
+
+TEST(the_attention_gets_the_workspace_left_after_the_layers_part) {
+    fixture *f = (fixture *)malloc(sizeof *f);
+    fixture_init(f);
+    f->L.attn.check = see_workspace, seen_layer = &f->L, ws_seen = 0;
+    fwd(f);
+    CHECK(ws_seen == 1, "the attention's check ran %d times", ws_seen);
     fixture_free(f);
     free(f);
 }
