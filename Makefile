@@ -19,7 +19,9 @@ STRICT   ?= 0
 
 WARN     = -Wall -Wextra -Wpedantic -Werror
 CFLAGS   = -std=c99 -O2 -g $(WARN) -I.
-CXXFLAGS = -std=c++17 -O2 -g -Wall -Wextra -Werror -I.
+# -g1 (line tables, what a sanitizer's report and a backtrace need) builds the emulated kernels
+# a quarter faster than -g, which a debugger needs to show locals.
+CXXFLAGS = -std=c++17 -O2 -g1 -Wall -Wextra -Werror -I.
 SAN      = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 LDLIBS   = -lm -lpthread
 # Open MPI refuses root unless told; CI runs as root.
