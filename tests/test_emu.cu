@@ -308,6 +308,37 @@ TEST(ldmatrix_bank_conflicts_are_counted) {
               c.extra);
     }
 }
+
+// The same rule where the matrices differ and a repeated address is not the neighbouring row:
+// lane l gives row address offsets[l].
+__global__ void ldmatrix_row_table(const int *offsets) {
+    ULY_DYN_SMEM(unsigned char, smem);
+    uint32_t r[4];
+    uly_ldmatrix<4, false>(r, uly_smem_addr(smem + offsets[threadIdx.x]));
+}
+
+TEST(ldmatrix_bank_conflicts_are_counted_per_matrix) {
+    std::vector<int> alternate(32), one_bad(32);
+    for (int l = 0; l < 32; l++) {
+        alternate[l] = l % 2 * 128;  // 0, 128, 0, ...: each matrix, 2 addresses of group 0
+        // Matrices 0, 2, 3: 8 rows in 8 groups; matrix 1: 8 rows 128 bytes apart, all in group 0.
+        one_bad[l] = l / 8 == 1 ? 4096 + l % 8 * 128 : l * 16;
+    }
+    const struct { const char *name; const std::vector<int> &offsets; unsigned long long extra; }
+        cases[] = {
+            {"rows alternating between two addresses of one group", alternate, 4},  // 1 per matrix
+            {"only matrix 1 in one group", one_bad, 7},
+        };
+    for (const auto &c : cases) {
+        int *d = upload(c.offsets);
+        const unsigned long long before = uly_emu_ldmatrix_conflicts();
+        ULY_LAUNCH(ldmatrix_row_table, 1, 32, 8192, 0, d);
+        CHECK(launch_error() == cudaSuccess, "launch failed");
+        const unsigned long long got = uly_emu_ldmatrix_conflicts() - before;
+        CHECK(got == c.extra, "%s: %llu extra wavefronts, want %llu", c.name, got, c.extra);
+        cudaFree(d);
+    }
+}
 #endif
 
 // The attention pattern: S = Q K^T from ldmatrix(Q) (A) and ldmatrix(K) (B, K stored
@@ -683,6 +714,56 @@ TEST(member_masks_are_checked) {
     uly_emu_set_quiet(false);
     cudaFree(out);
 }
+
+// The PTX ISA leaves the value read from a lane outside the shuffle unpredictable: the emulator
+// hands back poison (all ones), so a kernel that relies on it shows. Each half-warp shuffles
+// apart; a source in the other half is outside the member mask, a source in its own half is not.
+__global__ void shfl_outside_mask(int *out) {
+    const int lane = threadIdx.x;
+    const unsigned mask = lane < 16 ? 0x0000ffffu : 0xffff0000u;
+    out[lane] = __shfl_sync(mask, lane + 100, lane ^ 16);
+    out[32 + lane] = __shfl_sync(mask, lane + 100, lane ^ 1);
+}
+
+TEST(shuffle_from_a_lane_outside_the_mask_reads_poison) {
+    int *out = device_zeros<int>(64);
+    ULY_LAUNCH(shfl_outside_mask, 1, 32, 0, 0, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> h = download(out, 64);
+    for (int l = 0; l < 32; l++) {
+        CHECK(h[l] == -1, "lane %d read lane %d outside its mask: %d, want poison", l, l ^ 16,
+              h[l]);
+        CHECK(h[32 + l] == (l ^ 1) + 100, "lane %d: %d, want %d", l, h[32 + l], (l ^ 1) + 100);
+    }
+    cudaFree(out);
+}
+
+// ldmatrix and mma are .aligned: all threads of the warp must execute the same instruction,
+// else the behaviour is undefined. Half-warps at two different ldmatrix never meet, which is
+// reported as a deadlock. (The branches differ after the ldmatrix too, so the compiler cannot
+// merge the two calls into one.)
+__global__ void ldmatrix_two_sites(uint32_t *out) {
+    ULY_DYN_SMEM(uint16_t, smem);
+    const int t = threadIdx.x;
+    uint32_t r[2];
+    if (t < 16) {
+        uly_ldmatrix<2, false>(r, uly_smem_addr(smem + t * 8));
+        out[t] = r[0];
+    } else {
+        uly_ldmatrix<2, false>(r, uly_smem_addr(smem + (t - 16) * 8 + 256));
+        out[64 - t] = r[1] * 3;
+    }
+}
+
+TEST(lanes_at_different_ldmatrix_instructions_never_meet) {
+    uint32_t *out = device_zeros<uint32_t>(64);
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(ldmatrix_two_sites, 1, 32, 1024, 0, out);
+    std::string r = expect_failure(cudaErrorLaunchFailure);
+    CHECK(contains(r, "deadlock") && contains(r, "ldmatrix"), "report: %s", r.c_str());
+    uly_emu_set_quiet(false);
+    cudaFree(out);
+}
 #endif
 
 // A partial last warp works with a mask of the lanes it has.
@@ -806,6 +887,89 @@ TEST(cp_async_wait_group_completes_the_oldest_groups) {
     cudaFree(ds), cudaFree(seen);
 }
 
+// wait_group waits for committed groups only (the PTX ISA defines wait_all as commit_group then
+// wait_group 0): a copy issued after the last commit belongs to no group, and under the
+// emulator it stays poison through wait_group 0 until wait_all commits and waits for it.
+__global__ void cp_async_uncommitted(const uint32_t *src, uint32_t *seen) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    const int t = threadIdx.x;
+    uly_cp_async<4>(uly_smem_addr(smem + t), src + t, 4);
+    uly_cp_async_commit();
+    uly_cp_async<4>(uly_smem_addr(smem + 32 + t), src + 32 + t, 4);
+    uly_cp_async_wait<0>();
+    seen[t] = smem[t];
+    seen[32 + t] = smem[32 + t];
+    uly_cp_async_wait_all();
+    seen[64 + t] = smem[32 + t];
+}
+
+TEST(cp_async_wait_group_leaves_uncommitted_copies) {
+    std::vector<uint32_t> src(64);
+    for (int i = 0; i < 64; i++) src[i] = 0x2000u + i;
+    uint32_t *ds = upload(src), *seen = device_zeros<uint32_t>(96);
+    ULY_LAUNCH(cp_async_uncommitted, 1, 32, 64 * 4, 0, ds, seen);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<uint32_t> h = download(seen, 96);
+    for (int t = 0; t < 32; t++) {
+        CHECK(h[t] == src[t], "thread %d: committed copy 0x%x", t, h[t]);
+#ifdef ULY_EMU
+        CHECK(h[32 + t] == 0xffffffffu, "thread %d: uncommitted copy landed at wait_group 0: 0x%x",
+              t, h[32 + t]);
+#endif
+        CHECK(h[64 + t] == src[32 + t], "thread %d: after wait_all 0x%x", t, h[64 + t]);
+    }
+    cudaFree(ds), cudaFree(seen);
+}
+
+// Groups keep their count from one round of copies to the next, empty groups included (an empty
+// group is trivially complete). wait_group N returns at once while N or fewer groups are
+// pending; under the emulator a group it need not wait for still holds poison.
+__device__ inline void cp_async_word(uint32_t *smem, const uint32_t *src, int slot) {
+    const int i = slot * 32 + (int)threadIdx.x;
+    uly_cp_async<4>(uly_smem_addr(smem + i), src + i, 4);
+    uly_cp_async_commit();
+}
+
+__global__ void cp_async_rounds(const uint32_t *src, uint32_t *seen) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    const int t = threadIdx.x;
+    cp_async_word(smem, src, 0);
+    cp_async_word(smem, src, 1);
+    uly_cp_async_wait<0>();                // round 1: both groups complete
+    cp_async_word(smem, src, 2);
+    uly_cp_async_wait<2>();                // 1 group pending <= 2: nothing to wait for
+    seen[0 * 32 + t] = smem[2 * 32 + t];
+    uly_cp_async_commit();                 // an empty group
+    uly_cp_async_wait<1>();                // slot 2's group is not among the 1 most recent
+    seen[1 * 32 + t] = smem[2 * 32 + t];
+    cp_async_word(smem, src, 3);
+    uly_cp_async_wait<1>();                // slot 3's group is the 1 most recent: may pend
+    seen[2 * 32 + t] = smem[3 * 32 + t];
+    uly_cp_async_wait<0>();
+    seen[3 * 32 + t] = smem[3 * 32 + t];
+}
+
+TEST(cp_async_wait_group_counts_groups_across_rounds) {
+    std::vector<uint32_t> src(128);
+    for (int i = 0; i < 128; i++) src[i] = 0x3000u + i;
+    uint32_t *ds = upload(src), *seen = device_zeros<uint32_t>(128);
+    ULY_LAUNCH(cp_async_rounds, 1, 32, 128 * 4, 0, ds, seen);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<uint32_t> h = download(seen, 128);
+    for (int t = 0; t < 32; t++) {
+#ifdef ULY_EMU
+        CHECK(h[t] == 0xffffffffu, "thread %d: wait_group 2 completed a group: 0x%x", t, h[t]);
+        CHECK(h[64 + t] == 0xffffffffu, "thread %d: wait_group 1 completed the newest group: 0x%x",
+              t, h[64 + t]);
+#endif
+        CHECK(h[32 + t] == src[64 + t], "thread %d: slot 2 after wait_group 1: 0x%x", t,
+              h[32 + t]);
+        CHECK(h[96 + t] == src[96 + t], "thread %d: slot 3 after wait_group 0: 0x%x", t,
+              h[96 + t]);
+    }
+    cudaFree(ds), cudaFree(seen);
+}
+
 #ifdef ULY_EMU
 // Without the wait the destination still holds the poison; and a thread's wait completes only
 // its own copies, so thread 0, which never waits, leaves its row poisoned for everyone.
@@ -870,6 +1034,50 @@ TEST(shared_memory_bounds_are_checked) {
     uly_emu_set_quiet(false);
     cudaFree(ds);
 }
+
+// Operands the PTX ISA rules out: an ldmatrix row is 16 bytes that four lanes load together, so
+// its address "must be naturally aligned" to 16 bytes (lane 5's is 8 bytes off); cp.async's
+// source, like its destination, is aligned to cp-size; src-size larger than cp-size is undefined.
+__global__ void ldmatrix_misaligned(uint32_t *out) {
+    ULY_DYN_SMEM(uint16_t, smem);
+    const int row = threadIdx.x % 8;
+    uint32_t r[1];
+    uly_ldmatrix<1, false>(r, uly_smem_addr(smem + row * 8 + (row == 5 ? 4 : 0)));
+    out[threadIdx.x] = r[0];
+}
+
+__global__ void cp_async_source_misaligned(const uint32_t *src) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    uly_cp_async<16>(uly_smem_addr(smem + 4 * threadIdx.x), src + 2, 16);
+    uly_cp_async_wait_all();
+}
+
+__global__ void cp_async_src_size_past_cp_size(const uint32_t *src) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    uly_cp_async<4>(uly_smem_addr(smem + threadIdx.x), src, 8);
+    uly_cp_async_wait_all();
+}
+
+TEST(misaligned_and_oversized_operands_are_reported) {
+    std::vector<uint32_t> src(64, 1);
+    uint32_t *ds = upload(src);
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(ldmatrix_misaligned, 1, 32, 1024, 0, ds);
+    std::string r = expect_failure(cudaErrorMisalignedAddress);
+    CHECK(contains(r, "ldmatrix") && contains(r, "lane 5"), "report: %s", r.c_str());
+    ULY_LAUNCH(cp_async_source_misaligned, 1, 32, 1024, 0, ds);
+    r = expect_failure(cudaErrorMisalignedAddress);
+    CHECK(contains(r, "cp.async"), "report: %s", r.c_str());
+    ULY_LAUNCH(cp_async_src_size_past_cp_size, 1, 32, 1024, 0, ds);
+    r = expect_failure(cudaErrorLaunchFailure);
+    CHECK(contains(r, "src-size"), "report: %s", r.c_str());
+    // Lane 31's row starts inside the 504 bytes of shared memory and ends past them.
+    ULY_LAUNCH(ldmatrix_out_of_bounds, 1, 32, 31 * 16 + 8, 0, ds);
+    r = expect_failure(cudaErrorIllegalAddress);
+    CHECK(contains(r, "ldmatrix") && contains(r, "lane 31"), "report: %s", r.c_str());
+    uly_emu_set_quiet(false);
+    cudaFree(ds);
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -888,6 +1096,57 @@ TEST(atomics_add_across_concurrent_blocks) {
     CHECK(download(f, 1)[0] == 8192.0f, "float sum %g", download(f, 1)[0]);
     CHECK(download(i, 1)[0] == 16384, "int sum %d", download(i, 1)[0]);
     cudaFree(f), cudaFree(i);
+}
+
+// The programming guide's atomics store f(old, val) and return old. Whatever the order of the
+// threads: the adds hand out 0..n-1 once each; max and min end at the extremes; of the CASes
+// from 0, one returns 0 and the rest the winner's value; the exchanges and the final value
+// hold 0..n once each.
+__global__ void atomic_rmw(int *ints, unsigned *uints, float *f, int *old, float *fold) {
+    const int t = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    old[0 * 256 + t] = atomicAdd(&ints[0], 1);
+    fold[t] = atomicAdd(&f[0], 1.0f);
+    atomicMax(&ints[1], t - 100);
+    atomicMin(&ints[2], t - 100);
+    atomicMax(&uints[0], (unsigned)t);
+    atomicMin(&uints[1], (unsigned)t + 7);
+    old[1 * 256 + t] = atomicCAS(&ints[3], 0, t + 1);
+    old[2 * 256 + t] = atomicExch(&ints[4], t + 1);
+}
+
+TEST(atomics_store_the_operation_and_return_the_old_value) {
+    const int n = 256;
+    std::vector<int> ints = {0, -1000, 1000, 0, 0};
+    std::vector<unsigned> uints = {0, 0xffffffffu};
+    int *di = upload(ints), *old = device_zeros<int>(3 * n);
+    unsigned *du = upload(uints);
+    float *df = device_zeros<float>(1), *fold = device_zeros<float>(n);
+    ULY_LAUNCH(atomic_rmw, 4, 64, 0, 0, di, du, df, old, fold);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<int> hi = download(di, 5), ho = download(old, 3 * n);
+    std::vector<unsigned> hu = download(du, 2);
+    std::vector<float> hf = download(df, 1), hfold = download(fold, n);
+    CHECK(hi[0] == n && hf[0] == (float)n, "sums %d %g", hi[0], hf[0]);
+    std::vector<int> add_seen(n), fadd_seen(n), exch_seen(n + 1);
+    int cas_zero = 0, cas_winner = 0;
+    for (int t = 0; t < n; t++) {
+        if (ho[t] >= 0 && ho[t] < n) add_seen[ho[t]]++;
+        if (hfold[t] >= 0 && hfold[t] < n) fadd_seen[(int)hfold[t]]++;
+        cas_zero += ho[n + t] == 0;
+        cas_winner += ho[n + t] == hi[3];
+        if (ho[2 * n + t] >= 0 && ho[2 * n + t] <= n) exch_seen[ho[2 * n + t]]++;
+    }
+    if (hi[4] >= 0 && hi[4] <= n) exch_seen[hi[4]]++;
+    for (int v = 0; v < n; v++)
+        CHECK(add_seen[v] == 1 && fadd_seen[v] == 1, "atomicAdd returned %d %d times (int), %d "
+              "times (float)", v, add_seen[v], fadd_seen[v]);
+    CHECK(hi[1] == n - 1 - 100 && hi[2] == -100, "int max %d, min %d", hi[1], hi[2]);
+    CHECK(hu[0] == (unsigned)n - 1 && hu[1] == 7u, "unsigned max %u, min %u", hu[0], hu[1]);
+    CHECK(hi[3] >= 1 && hi[3] <= n && cas_zero == 1 && cas_winner == n - 1,
+          "atomicCAS: final %d, %d threads saw 0, %d the winner", hi[3], cas_zero, cas_winner);
+    for (int v = 0; v <= n; v++)
+        CHECK(exch_seen[v] == 1, "atomicExch: value %d seen %d times", v, exch_seen[v]);
+    cudaFree(di), cudaFree(old), cudaFree(du), cudaFree(df), cudaFree(fold);
 }
 
 __global__ void add_pairs(float *p) { uly_red_add2(p, 1.0f, 2.0f); }
