@@ -18,12 +18,17 @@ typedef struct fcase {
     int64_t B, Sq, Sk, H, Hkv, D;
     int causal;
     uly_dtype dt;
-    int strided;       /* padded heads, rows and batches instead of dense tensors */
+    int strided;       /* 0: dense tensors; 1: padded heads, rows and batches; OWN_STRIDES */
     int deterministic;
     int64_t q_head0, kv_group; /* 0, 0: whole tensors */
     float magnitude;   /* q and k uniform in [-magnitude, magnitude); 0 means 1 */
     float scale;       /* softmax_scale; 0 means 1/sqrt(D) */
 } fcase;
+
+/* fcase.strided: each of the eight tensors padded differently (dev_alloc's pads 1 to 8), so that
+   no two share a stride: an attention that steps one tensor with another's strides reads padding
+   (NaN) or other rows, or writes padding. */
+enum { OWN_STRIDES = 2 };
 
 static const char *dt_name(uly_dtype t) { return t == ULY_BF16 ? "bf16" : "f16"; }
 
@@ -32,7 +37,7 @@ static std::string describe(const fcase &c) {
     if (c.scale) snprintf(scale, sizeof scale, " scale=%g", (double)c.scale);
     snprintf(s, sizeof s, "%s D=%lld B=%lld Sq=%lld Sk=%lld H=%lld Hkv=%lld%s%s%s%s", dt_name(c.dt),
              (long long)c.D, (long long)c.B, (long long)c.Sq, (long long)c.Sk, (long long)c.H,
-             (long long)c.Hkv, scale, c.causal ? " causal" : "", c.strided ? " strided" : "",
+             (long long)c.Hkv, scale, c.causal ? " causal" : "", c.strided == OWN_STRIDES ? " own strides" : c.strided ? " strided" : "",
              c.deterministic ? " deterministic" : "");
     return s;
 }
@@ -316,33 +321,39 @@ static bool run_kernels(const fcase &c, const std::vector<int> &cu_q, const std:
     return st.code == ULY_OK;
 }
 
-/* run_kernels on tensors of their own, dense or padded (c.strided); nothing outside a view may
-   change. */
+/* The eight tensors of a case on the device (q k v o dout dq dk dv, [B, Sq or Sk, H or Hkv, D],
+   padded as c.strided says), q, k, v and dout uploaded from in, and args that point at them. */
+static uly_attn_args alloc_tensors(const fcase &c, int64_t B, int64_t Sq, int64_t Sk,
+                                   const inputs &in, dev_tensor x[8]) {
+    for (int i = 0; i < 8; i++) {
+        const bool kv = i == 1 || i == 2 || i == 6 || i == 7;
+        x[i] = dev_alloc(c.dt, B, kv ? Sk : Sq, kv ? c.Hkv : c.H, c.D,
+                         c.strided == OWN_STRIDES ? i + 1 : c.strided);
+    }
+    upload(x[0], in.q), upload(x[1], in.k), upload(x[2], in.v), upload(x[4], in.dout);
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = x[0].t, a.k = x[1].t, a.v = x[2].t, a.o = x[3].t, a.dout = x[4].t;
+    a.dq = x[5].t, a.dk = x[6].t, a.dv = x[7].t;
+    return a;
+}
+
+/* run_kernels on tensors of their own (alloc_tensors); nothing outside a view may change. */
 static run_out run_attn(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
                         bool varlen, const inputs &in, const uly_attn &fa) {
     run_out r;
     const int64_t B = varlen ? 1 : c.B, Sq = varlen ? cu_q.back() : c.Sq;
     const int64_t Sk = varlen ? cu_k.back() : c.Sk;
-    dev_tensor dq_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided), dk_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided);
-    dev_tensor dv_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided), do_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided);
-    dev_tensor q_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided), o_ = dev_alloc(c.dt, B, Sq, c.H, c.D, c.strided);
-    dev_tensor k_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided), v_ = dev_alloc(c.dt, B, Sk, c.Hkv, c.D, c.strided);
-    upload(q_, in.q), upload(k_, in.k), upload(v_, in.v), upload(do_, in.dout);
-
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = q_.t, a.k = k_.t, a.v = v_.t, a.o = o_.t, a.dout = do_.t, a.dq = dq_.t, a.dk = dk_.t;
-    a.dv = dv_.t;
-    r.ok = run_kernels(c, cu_q, cu_k, varlen, fa, a, &r.lse);
-    const dev_tensor *all[8] = {&q_, &k_, &v_, &do_, &o_, &dq_, &dk_, &dv_};
-    const char *names[8] = {"q", "k", "v", "dout", "o", "dq", "dk", "dv"};
+    dev_tensor x[8];
+    r.ok = run_kernels(c, cu_q, cu_k, varlen, fa, alloc_tensors(c, B, Sq, Sk, in, x), &r.lse);
+    const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
     for (int i = 0; i < 8; i++) {
-        const int64_t n = padding_written(*all[i]);
+        const int64_t n = padding_written(x[i]);
         CHECK(n == 0, "%s: %lld elements outside the view of %s were written", describe(c).c_str(),
               (long long)n, names[i]);
     }
-    r.o = download(o_), r.dq = download(dq_), r.dk = download(dk_), r.dv = download(dv_);
-    for (dev_tensor *x : {&q_, &k_, &v_, &o_, &do_, &dq_, &dk_, &dv_}) cudaFree(x->t.data);
+    r.o = download(x[3]), r.dq = download(x[5]), r.dk = download(x[6]), r.dv = download(x[7]);
+    for (dev_tensor &t : x) cudaFree(t.t.data);
     return r;
 }
 

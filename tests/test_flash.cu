@@ -750,39 +750,13 @@ TEST(gqa_rank_past_the_first_group) {
         }
 }
 
-/* Each of the eight tensors padded differently (flash_case.h's dev_alloc with pads 1 to 8), so
-   no two share a stride: a kernel that steps one tensor with another's stride reads padding
-   (NaN) or other rows, or writes padding. */
+/* Each of the eight tensors padded differently (flash_case.h's OWN_STRIDES), in every kernel. */
 TEST(every_tensor_has_its_own_strides) {
     for (int64_t D : {64, 128})
         for (int deterministic : {0, 1}) {
             fcase c = make_case({2, 129, 130, 4, 2, 1}, D, ULY_BF16);
-            c.deterministic = deterministic;
-            const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
-            dev_tensor x[8]; /* q k v o dout dq dk dv */
-            for (int i = 0; i < 8; i++) {
-                const bool kv = i == 1 || i == 2 || i == 6 || i == 7;
-                x[i] = dev_alloc(c.dt, c.B, kv ? c.Sk : c.Sq, kv ? c.Hkv : c.H, c.D, i + 1);
-            }
-            upload(x[0], in.q), upload(x[1], in.k), upload(x[2], in.v), upload(x[4], in.dout);
-            uly_attn_args a;
-            memset(&a, 0, sizeof a);
-            a.q = x[0].t, a.k = x[1].t, a.v = x[2].t, a.o = x[3].t, a.dout = x[4].t;
-            a.dq = x[5].t, a.dk = x[6].t, a.dv = x[7].t;
-            const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
-            run_out got;
-            got.ok = run_kernels(c, cq, ck, false, uly_flash_attention(), a, &got.lse);
-            for (int i = 0; i < 8; i++)
-                CHECK(padding_written(x[i]) == 0, "D=%lld det=%d: padding of tensor %d written",
-                      (long long)D, deterministic, i);
-            got.o = download(x[3]), got.dq = download(x[5]), got.dk = download(x[6]);
-            got.dv = download(x[7]);
-            if (got.ok) {
-                const outputs cpu = run_cpu(c, in);
-                check_outputs(c, got, reference(c, cq, ck, false, in, false),
-                              reference(c, cq, ck, false, in, true), &cpu);
-            }
-            for (dev_tensor &t : x) cudaFree(t.t.data);
+            c.deterministic = deterministic, c.strided = OWN_STRIDES;
+            check_case(c);
         }
 }
 
