@@ -14,6 +14,11 @@
      named error, as are backward o and dout rows not in 16-byte chunks. A kv head no query head
      reads gets zero gradients. Where the flash backward needs more shared memory than the GPU
      has, it says so and this path runs (emulated: a smaller GPU).
+   - Each of the eight tensors with strides of its own (GQA, a rank past the first group, an
+     unread kv head); the backward leaves lse alone. The workspace's parts lie apart and inside
+     workspace(), cuBLASLt's own ULY__LT_WS bytes included (the emulated GEMM never touches
+     them), sized by the query heads a kv head has here, not by kv_group. fp32, D > 256, 65536
+     batches, GEMM dims past int and backward tensors of the wrong shape are named errors.
    Under the emulator (make test) cuBLASLt is tests/emu/cublaslt_emu.cpp, a double that computes
    the documented GEMM and refuses what it does not model; on a GPU (make test-gpu) it is the real
    library, and the first test is what shows the double models it. */
@@ -219,6 +224,163 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
           st.msg);
     CHECK(uly__lt_workspace(lt.ctx, &a) < 0, "workspace() of those: %lld",
           (long long)uly__lt_workspace(lt.ctx, &a));
+}
+
+/* Each of the eight tensors with its own strides (flash_case.h's OWN_STRIDES): every
+   GEMM operand, the softmax's and the stores' rows, and the zeroed gradients of an unread kv
+   head must step their own tensor. Three cases: GQA, B = 2, causal with rows that keep no key;
+   an SP rank past the first group (global query heads 3..6 in groups of 2 read global kv heads
+   1, 2, 2, 3: local kv heads 0 and 2 have one query head each, the first and last of the
+   slice); kv head 1 read by no query head (its dK and dV zeroed in place). */
+TEST(cublaslt_every_tensor_has_its_own_strides) {
+    fcase c[3] = {make_case({2, 40, 33, 4, 2, 1}, 64, ULY_BF16),
+                  make_case({1, 33, 33, 4, 3, 1}, 64, ULY_F16),
+                  make_case({1, 17, 17, 2, 2, 0}, 64, ULY_BF16)};
+    c[1].q_head0 = 3, c[1].kv_group = 2;
+    c[2].kv_group = 2;
+    for (fcase &k : c) {
+        k.strided = OWN_STRIDES;
+        const inputs in = make_inputs(k, k.B * k.Sq, k.B * k.Sk);
+        const std::vector<int> cq = dense_cu(k.B, k.Sq), ck = dense_cu(k.B, k.Sk);
+        const run_out lt = run_attn(k, cq, ck, false, in, uly_cublaslt_attention(lt_handle()));
+        if (!lt.ok) continue;
+        check_outputs(k, lt, reference(k, cq, ck, false, in, false),
+                      reference(k, cq, ck, false, in, true), NULL);
+        const int bad = masked_rows_wrong(k, lt, row_range(0, k.causal ? k.Sq - k.Sk : 0));
+        CHECK(bad == 0, "%s: %d values of rows that keep no key are not 0 (lse +inf)",
+              describe(k).c_str(), bad);
+    }
+}
+
+/* The workspace's parts as uly__lt_carve hands them out lie inside workspace() bytes, 256-byte
+   aligned and apart, each as large as what is written to it: S (fp32), P and dS (16-bit) for
+   the most query heads that one kv head has here, rows uly__lt_ld apart; Dsum of every query
+   row; dK and dV in fp32; and the ULY__LT_WS bytes every cublasLtMatmul is told it may use.
+   The emulated GEMM never touches its workspace (its kernel needs none), so only this shows
+   that the real library's split-K partial sums would not land on the scores or past the end. */
+TEST(cublaslt_workspace_parts_are_apart_and_inside) {
+    struct {
+        int64_t B, Sq, Sk, H, Hkv, q_head0, kv_group;
+    } shapes[] = {{2, 33, 77, 4, 2, 0, 0}, {1, 65, 20, 3, 2, 1, 2}, {1, 1, 200, 8, 1, 0, 0}};
+    alignas(16) static char view[16];
+    for (const auto &s : shapes) {
+        const int64_t D = 64;
+        uly_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.q = a.o = a.dout = a.dq = uly_dense(view, ULY_BF16, s.B, s.Sq, s.H, D); /* never read */
+        a.k = a.v = a.dk = a.dv = uly_dense(view, ULY_BF16, s.B, s.Sk, s.Hkv, D);
+        a.q_head0 = s.q_head0, a.kv_group = s.kv_group;
+        const uly_attn lt = uly_cublaslt_attention(lt_handle());
+        const int64_t need = lt.workspace(lt.ctx, &a);
+        CHECK(need > 0 && cudaMalloc(&a.workspace, (size_t)need) == cudaSuccess, "%lld bytes",
+              (long long)need);
+        if (!a.workspace) continue;
+        /* the most query heads of one kv head, by the contract's map from query to kv heads */
+        const int64_t g = s.kv_group ? s.kv_group : s.H / s.Hkv;
+        int64_t most = 0;
+        for (int64_t j = 0; j < s.Hkv; j++) {
+            int64_t n = 0;
+            for (int64_t h = 0; h < s.H; h++) n += (s.q_head0 + h) / g - s.q_head0 / g == j;
+            most = std::max(most, n);
+        }
+        const int64_t scores = most * s.Sq * uly__lt_ld(&a), kd = s.Sk * D * 4;
+        const uly__lt_ws w = uly__lt_carve(&a);
+        const char *at[7] = {(char *)w.s, (char *)w.p, (char *)w.ds, (char *)w.dsum,
+                             (char *)w.dk, (char *)w.dv, (char *)w.lt};
+        const int64_t bytes[7] = {scores * 4, scores * 2, scores * 2, s.B * s.H * s.Sq * 4,
+                                  kd, kd, ULY__LT_WS};
+        const char *names[7] = {"S", "P", "dS", "Dsum", "dK", "dV", "cuBLASLt's"};
+        const char *base = (const char *)a.workspace;
+        for (int i = 0; i < 7; i++) {
+            CHECK(at[i] >= base && at[i] + bytes[i] <= base + need &&
+                      (uintptr_t)at[i] % 256 == 0,
+                  "Sk=%lld: %s part [%td, %td) of %lld bytes", (long long)s.Sk, names[i],
+                  at[i] - base, at[i] + bytes[i] - base, (long long)need);
+            for (int j = 0; j < i; j++)
+                CHECK(at[i] >= at[j] + bytes[j] || at[j] >= at[i] + bytes[i],
+                      "Sk=%lld: the %s and %s parts overlap", (long long)s.Sk, names[j],
+                      names[i]);
+        }
+        cudaFree(a.workspace);
+    }
+}
+
+/* One local query head of a group of 8 (an SP rank's share of it) needs the scratch of one
+   query head: the score blocks are sized by the query heads a kv head has here, not by
+   kv_group. */
+TEST(cublaslt_workspace_follows_the_local_heads_not_kv_group) {
+    alignas(16) static char view[16];
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = a.o = a.dout = a.dq = a.k = a.v = a.dk = a.dv = uly_dense(view, ULY_BF16, 1, 100, 1, 64);
+    const uly_attn lt = uly_cublaslt_attention(lt_handle());
+    const int64_t one = lt.workspace(lt.ctx, &a);
+    a.kv_group = 8, a.q_head0 = 3;
+    const int64_t of8 = lt.workspace(lt.ctx, &a);
+    CHECK(of8 == one, "workspace: %lld bytes for one head of a group of 8, %lld for a group of 1",
+          (long long)of8, (long long)one);
+}
+
+/* More of what the cuBLASLt attention refuses in its check (what the layer asks before it
+   exchanges anything, and fwd and bwd run first); the views are never read. fp32 (its GEMMs
+   take bf16 and fp16), D = 264 (past 256), 65536 batches (the Dsum pass's grid), GEMM dims
+   past int: two query heads of 2^30 rows on one kv head are 2^31 rows of one batched product,
+   and 2^31 keys; and in the backward a dk whose shape is not k's (the contract's rule). */
+TEST(cublaslt_rejects_dtypes_head_dims_batches_and_dims_past_int) {
+    const uly_attn lt = uly_cublaslt_attention(lt_handle());
+    alignas(256) static char buf[64];
+    struct {
+        uly_dtype t;
+        int64_t B, Sq, Sk, H, Hkv, D;
+        int backward;
+        uly_code code;
+        const char *says;
+    } cases[] = {
+        {ULY_F32, 1, 1, 1, 1, 1, 8, 0, ULY_EUNSUPPORTED, "takes bf16 or fp16"},
+        {ULY_BF16, 1, 1, 1, 1, 1, 264, 0, ULY_EUNSUPPORTED, "D <= 256"},
+        {ULY_BF16, 65536, 1, 1, 1, 1, 8, 0, ULY_EUNSUPPORTED, "q.b (65536)"},
+        {ULY_BF16, 1, (int64_t)1 << 30, 1, 2, 1, 8, 0, ULY_EUNSUPPORTED, "a GEMM's dims are int"},
+        {ULY_F16, 1, 1, (int64_t)1 << 31, 1, 1, 8, 0, ULY_EUNSUPPORTED, "a GEMM's dims are int"},
+        {ULY_BF16, 1, 1, 1, 1, 1, 8, 1, ULY_EINVAL, "dk: shape"},
+    };
+    for (const auto &k : cases) {
+        uly_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.q = a.o = a.dout = a.dq = uly_dense(buf, k.t, k.B, k.Sq, k.H, k.D);
+        a.k = a.v = a.dk = a.dv = uly_dense(buf, k.t, k.B, k.Sk, k.Hkv, k.D);
+        if (k.backward) a.dk = uly_dense(buf, k.t, k.B, k.Sk + 1, k.Hkv, k.D);
+        a.lse = (float *)buf, a.workspace = buf, a.workspace_bytes = INT64_MAX;
+        const uly_status st = lt.check(lt.ctx, &a, k.backward);
+        CHECK(st.code == k.code && strstr(st.msg, k.says), "want '%s': code %d '%s'", k.says,
+              (int)st.code, st.msg);
+    }
+}
+
+/* The backward reads lse and writes only dq, dk and dv (the contract): it recomputes P with its
+   own row sums, so the lse it is handed stays as it was, even one that is not its forward's
+   (here every value 0.5 after the forward). */
+TEST(cublaslt_backward_leaves_lse_alone) {
+    const fcase c = make_case({2, 33, 40, 2, 1, 1}, 64, ULY_BF16);
+    const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+    dev_tensor x[8];
+    uly_attn_args a = alloc_tensors(c, c.B, c.Sq, c.Sk, in, x);
+    a.causal = c.causal;
+    const uly_attn lt = uly_cublaslt_attention(lt_handle());
+    const size_t nlse = (size_t)(c.B * c.H * c.Sq);
+    std::vector<float> lse(nlse, 0.5f);
+    cudaMalloc((void **)&a.lse, nlse * 4);
+    a.workspace_bytes = lt.workspace(lt.ctx, &a);
+    cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
+    uly_status st = lt.fwd(lt.ctx, &a);
+    cudaMemcpy(a.lse, lse.data(), nlse * 4, cudaMemcpyHostToDevice);
+    if (!st.code) st = lt.bwd(lt.ctx, &a);
+    CHECK(!st.code && cudaDeviceSynchronize() == cudaSuccess, "'%s'", st.msg);
+    cudaMemcpy(lse.data(), a.lse, nlse * 4, cudaMemcpyDeviceToHost);
+    int changed = 0;
+    for (float l : lse) changed += l != 0.5f;
+    CHECK(changed == 0, "the backward wrote %d of %zu lse values", changed, nlse);
+    for (dev_tensor &t : x) cudaFree(t.t.data);
+    cudaFree(a.lse), cudaFree(a.workspace);
 }
 
 #ifdef ULY_EMU

@@ -8,7 +8,10 @@
      B = 2, a decode step (Sq = 1) and an explicit scale, and with a GQA group split at q_head0
      (causal, Sq > Sk): every value of out, lse, dq, dk and dv is within 2e-6 (absolute) of
      fp64 (flash_case.h's reference) and of uly_cpu_attention, and rows that keep no key
-     (causal, Sq > Sk: the first Sq - Sk) give out and dq exactly 0 and lse = +inf.
+     (causal, Sq > Sk: the first Sq - Sk) give out and dq exactly 0 and lse = +inf. The same
+     for a rank past the first GQA group and for more rows than one block takes; in bf16 and
+     fp16 with each tensor's strides its own, against fp64. The backward refuses gradients of
+     the wrong shape and a workspace a byte short.
    - The layer over P = 1..4 virtual ranks, forward and backward, in each dtype: out, lse and dq
      are bit-identical to the same attention run unsharded (the layer only moves data), and so
      are dk and dv, except that a kv head whose GQA group is split across ranks gets the ranks'
@@ -157,6 +160,68 @@ TEST(reference_attention_maps_a_group_split_at_q_head0) {
     fcase c = make_case({2, 7, 5, 3, 2, 1}, 4, ULY_F32);
     c.q_head0 = 1, c.kv_group = 2;
     check_reference(c);
+}
+
+/* An SP rank past the first group: global query heads 3..6 in groups of 2 read global kv heads
+   1, 2, 2, 3, i.e. local kv heads 0, 1, 1, 2 (q_head0 / kv_group = 1 is subtracted, in the
+   forward's and the dK/dV kernel's maps alike); local kv heads 0 and 2 have one query head each,
+   the first and the last of the slice, so their dk and dv sum over no head outside it. */
+TEST(reference_attention_maps_a_rank_past_the_first_group) {
+    fcase c = make_case({2, 9, 6, 4, 3, 1}, 4, ULY_F32);
+    c.q_head0 = 3, c.kv_group = 2;
+    check_reference(c);
+}
+
+/* More rows than one block's 64 threads take: the forward's and dQ's grids must cover the query
+   rows, the dK/dV kernel's the key rows. 70 queries against 5 keys (causal: 65 rows keep no key)
+   and 3 against 130. */
+TEST(reference_attention_grids_cover_rows_past_one_block) {
+    check_reference(make_case({1, 70, 5, 2, 1, 1}, 8, ULY_F32));
+    check_reference(make_case({1, 3, 130, 2, 1, 1}, 8, ULY_F32));
+}
+
+/* Each of the eight tensors with its own strides (flash_case.h's OWN_STRIDES), in bf16
+   and fp16: a kernel that steps one tensor with another's strides, or with a dense tensor's
+   (sb = S ss, sh = D), reads padding (NaN) or other rows, or writes padding. Against fp64 by
+   test_flash's accuracy rule (the reference rounds only its outputs); rows that keep no key
+   exactly. */
+TEST(reference_attention_every_tensor_has_its_own_strides) {
+    fcase c[2] = {make_case({2, 20, 13, 4, 2, 1}, 16, ULY_BF16),
+                  make_case({1, 11, 11, 4, 3, 0}, 8, ULY_F16)};
+    c[1].q_head0 = 3, c[1].kv_group = 2;
+    for (fcase &k : c) {
+        k.strided = OWN_STRIDES;
+        const inputs in = make_inputs(k, k.B * k.Sq, k.B * k.Sk);
+        const std::vector<int> cq = dense_cu(k.B, k.Sq), ck = dense_cu(k.B, k.Sk);
+        const run_out got = run_attn(k, cq, ck, false, in, uly_cuda_reference_attention());
+        if (!got.ok) continue;
+        check_outputs(k, got, reference(k, cq, ck, false, in, false),
+                      reference(k, cq, ck, false, in, true), NULL);
+        const int bad = masked_rows_wrong(k, got, row_range(0, k.causal ? k.Sq - k.Sk : 0));
+        CHECK(bad == 0, "%s: %d values of rows without keys are not out = dq = 0, lse = +inf",
+              describe(k).c_str(), bad);
+    }
+}
+
+/* The backward checks what only it uses, before anything runs: a dq or dk whose shape is not
+   q's or k's is EINVAL (the forward does not look at them), and so is a workspace a byte short
+   of workspace() (its Dsum). The views are never read. */
+TEST(reference_attention_backward_rejects_bad_gradients_and_a_short_workspace) {
+    const uly_attn ref = uly_cuda_reference_attention();
+    alignas(16) static float buf[64];
+    for (int which = 0; which < 3; which++) {
+        uly_attn_args a;
+        memset(&a, 0, sizeof a);
+        a.q = a.o = a.dout = a.dq = a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_F32, 1, 2, 1, 8);
+        a.lse = buf, a.workspace = buf, a.workspace_bytes = 1 << 20;
+        if (which == 0) a.dq.s = 1;
+        if (which == 1) a.dk.s = 1;
+        if (which == 2) a.workspace_bytes = ref.workspace(ref.ctx, &a) - 1;
+        const char *says = which == 0 ? "dq: shape" : which == 1 ? "dk: shape" : "workspace_bytes";
+        const uly_status fwd = ref.check(ref.ctx, &a, 0), bwd = ref.check(ref.ctx, &a, 1);
+        CHECK(!fwd.code && bwd.code == ULY_EINVAL && strstr(bwd.msg, says),
+              "%s: forward '%s', backward code %d '%s'", says, fwd.msg, (int)bwd.code, bwd.msg);
+    }
 }
 
 /* What the reference attention's grid (k.h is the dK/dV kernel's y) or its float workspace
