@@ -16,8 +16,8 @@
      has, it says so and this path runs (emulated: a smaller GPU).
    - Each of the eight tensors with strides of its own (GQA, a rank past the first group, an
      unread kv head); the backward leaves lse alone. The workspace's parts lie apart and inside
-     workspace(), cuBLASLt's own ULY__LT_WS bytes included (the emulated GEMM never touches
-     them), sized by the query heads a kv head has here, not by kv_group. fp32, D > 256, 65536
+     workspace(), cuBLASLt's own ULY__LT_WS bytes included (the emulated GEMM overwrites
+     them when it runs), sized by the query heads a kv head has here, not by kv_group. fp32, D > 256, 65536
      batches, GEMM dims past int and backward tensors of the wrong shape are named errors.
    Under the emulator (make test) cuBLASLt is tests/emu/cublaslt_emu.cpp, a double that computes
    the documented GEMM and refuses what it does not model; on a GPU (make test-gpu) it is the real
@@ -256,8 +256,9 @@ TEST(cublaslt_every_tensor_has_its_own_strides) {
    aligned and apart, each as large as what is written to it: S (fp32), P and dS (16-bit) for
    the most query heads that one kv head has here, rows uly__lt_ld apart; Dsum of every query
    row; dK and dV in fp32; and the ULY__LT_WS bytes every cublasLtMatmul is told it may use.
-   The emulated GEMM never touches its workspace (its kernel needs none), so only this shows
-   that the real library's split-K partial sums would not land on the scores or past the end. */
+   The emulated GEMM overwrites all of its part when it runs, as split-K partial sums may, so
+   an overlap with live scores also shows in the results; this names the part, and catches one
+   that runs past the end of the workspace. */
 TEST(cublaslt_workspace_parts_are_apart_and_inside) {
     struct {
         int64_t B, Sq, Sk, H, Hkv, q_head0, kv_group;

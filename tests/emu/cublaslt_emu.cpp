@@ -19,8 +19,13 @@
 // batch stride in bytes, and cublasLtMatmul refuses operands that lack them, as a real kernel
 // could fault on them; the workspace must be 256-byte aligned.
 //
-// What it does not model: tiling, workspace needs, device limits, or which layouts a given
-// GPU's kernels accept: those are test-gpu's, against the real library.
+// Workspace, as the documentation puts it: the search returns kernels that need at most the
+// preference's MAX_WORKSPACE_BYTES, and cublasLtMatmul refuses a workspaceSizeInBytes below the
+// kernel's need. The kernel this double returns needs all of it, as a split-K kernel may, and
+// overwrites it when it runs, so a workspace that overlaps live data shows in the results.
+//
+// What it does not model: tiling, device limits, or which layouts a given GPU's kernels accept:
+// those are test-gpu's, against the real library.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -61,6 +66,7 @@ struct pref {
 struct kernel {
     uint64_t tag;
     uint32_t align[4];
+    uint64_t workspace;  // bytes it needs and overwrites
 };
 const uint64_t kernel_tag = 0x756c79656d75ull;
 static_assert(sizeof(desc) <= sizeof(cublasLtMatmulDescOpaque_t), "desc fits its opaque");
@@ -231,8 +237,8 @@ std::atomic<uint32_t> least_alignment{256};  // uly_emu_cublaslt_least_alignment
 
 uint32_t uly_emu_cublaslt_least_alignment() { return least_alignment.exchange(256); }
 
-// One kernel, needing the preference's alignments; its sums are exact, so it needs no split K
-// and no workspace, and any reduction-scheme mask admits it.
+// One kernel, needing the preference's alignments and its whole workspace; its sums are exact,
+// so any reduction-scheme mask admits it.
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t d,
                                               cublasLtMatrixLayout_t Al, cublasLtMatrixLayout_t Bl,
                                               cublasLtMatrixLayout_t Cl, cublasLtMatrixLayout_t Dl,
@@ -245,12 +251,13 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
     const cublasStatus_t ok = valid(*body(d), *body(Al), *body(Bl), *body(Cl), *body(Dl));
     if (ok != CUBLAS_STATUS_SUCCESS) return ok;
     results[0] = cublasLtMatmulHeuristicResult_t();
-    kernel k{kernel_tag, {0, 0, 0, 0}};
+    kernel k{kernel_tag, {0, 0, 0, 0}, body(p)->workspace};
     std::memcpy(k.align, body(p)->align, sizeof k.align);
     for (uint32_t a : k.align)
         for (uint32_t least = least_alignment; a < least;)
             if (least_alignment.compare_exchange_weak(least, a)) break;
     std::memcpy(&results[0].algo, &k, sizeof k);
+    results[0].workspaceSize = k.workspace;
     results[0].state = CUBLAS_STATUS_SUCCESS;
     results[0].wavesCount = 1.f;
     *count = 1;
@@ -261,7 +268,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
                               const void *A, cublasLtMatrixLayout_t Al, const void *B,
                               cublasLtMatrixLayout_t Bl, const void *beta, const void *C,
                               cublasLtMatrixLayout_t Cl, void *D, cublasLtMatrixLayout_t Dl,
-                              const cublasLtMatmulAlgo_t *algo, void *ws, size_t,
+                              const cublasLtMatmulAlgo_t *algo, void *ws, size_t ws_bytes,
                               cudaStream_t stream) {
     if (!h || !h->live) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (!d || !alpha || !beta || !A || !B || !D || !Al || !Bl || !Cl || !Dl)
@@ -273,9 +280,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
     if ((!C && *static_cast<const float *>(beta) != 0.f) || (C == D && Cl != Dl) ||
         reinterpret_cast<uintptr_t>(ws) % 256 != 0)
         return CUBLAS_STATUS_INVALID_VALUE;
-    kernel kern{kernel_tag, {256, 256, 256, 256}};  // algo NULL: the default preference's
+    kernel kern{kernel_tag, {256, 256, 256, 256}, 0};  // algo NULL: the default preference's
     if (algo) std::memcpy(&kern, algo, sizeof kern);
-    if (kern.tag != kernel_tag) return CUBLAS_STATUS_INVALID_VALUE;
+    if (kern.tag != kernel_tag || ws_bytes < kern.workspace || (kern.workspace && !ws))
+        return CUBLAS_STATUS_INVALID_VALUE;
     if (!aligned(a, A, kern.align[0]) || !aligned(b, B, kern.align[1]) ||
         (C && !aligned(c, C, kern.align[2])) || !aligned(o, D, kern.align[3]))
         return CUBLAS_STATUS_EXECUTION_FAILED;  // a real kernel's misaligned access
@@ -283,6 +291,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
     const uint64_t m = o.rows, n = o.cols, k = ta ? a.rows : a.cols;
     const double al = *static_cast<const float *>(alpha), be = *static_cast<const float *>(beta);
     uly_emu_queue(stream, [=] {  // alpha and beta are read now, the matrices when it runs
+        if (kern.workspace) std::memset(ws, 0xff, kern.workspace);  // a split K's partial sums
         for (int64_t z = 0; z < o.batch; z++)
             for (int64_t j = 0; j < (int64_t)n; j++)
                 for (int64_t i = 0; i < (int64_t)m; i++) {
