@@ -847,6 +847,25 @@ TEST(cp_async_copies_and_zero_fills) {
     cudaFree(ds), cudaFree(out);
 }
 
+// One warp of a cp.async kernel(src, seen) with as many words of shared memory as src has;
+// returns the n_seen words the kernel wrote to seen.
+static std::vector<uint32_t> run_copies(void (*kernel)(const uint32_t *, uint32_t *),
+                                        const std::vector<uint32_t> &src, int n_seen) {
+    uint32_t *ds = upload(src), *seen = device_zeros<uint32_t>(n_seen);
+    ULY_LAUNCH(kernel, 1, 32, src.size() * 4, 0, ds, seen);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<uint32_t> h = download(seen, n_seen);
+    cudaFree(ds), cudaFree(seen);
+    return h;
+}
+
+// base, base + 1, ...: a copied word says where it came from.
+static std::vector<uint32_t> numbered(int n, uint32_t base) {
+    std::vector<uint32_t> v(n);
+    for (int i = 0; i < n; i++) v[i] = base + i;
+    return v;
+}
+
 // Three groups; wait_group<2>, <1>, <0> complete them oldest first. Under the emulator the
 // groups still pending must hold poison (on a GPU they may or may not have landed).
 __global__ void cp_async_groups(const uint32_t *src, uint32_t *seen) {
@@ -865,12 +884,8 @@ __global__ void cp_async_groups(const uint32_t *src, uint32_t *seen) {
 }
 
 TEST(cp_async_wait_group_completes_the_oldest_groups) {
-    std::vector<uint32_t> src(96);
-    for (int i = 0; i < 96; i++) src[i] = 0x1000u + i;
-    uint32_t *ds = upload(src), *seen = device_zeros<uint32_t>(3 * 96);
-    ULY_LAUNCH(cp_async_groups, 1, 32, 96 * 4, 0, ds, seen);
-    CHECK(launch_error() == cudaSuccess, "launch failed");
-    std::vector<uint32_t> h = download(seen, 3 * 96);
+    const std::vector<uint32_t> src = numbered(96, 0x1000u);
+    const std::vector<uint32_t> h = run_copies(cp_async_groups, src, 3 * 96);
     for (int step = 0; step < 3; step++)       // after wait_group<2 - step>
         for (int g = 0; g < 3; g++)            // group g, committed g-th
             for (int t = 0; t < 32; t++) {
@@ -884,7 +899,6 @@ TEST(cp_async_wait_group_completes_the_oldest_groups) {
                           step, g, got);
 #endif
             }
-    cudaFree(ds), cudaFree(seen);
 }
 
 // wait_group waits for committed groups only (the PTX ISA defines wait_all as commit_group then
@@ -904,12 +918,8 @@ __global__ void cp_async_uncommitted(const uint32_t *src, uint32_t *seen) {
 }
 
 TEST(cp_async_wait_group_leaves_uncommitted_copies) {
-    std::vector<uint32_t> src(64);
-    for (int i = 0; i < 64; i++) src[i] = 0x2000u + i;
-    uint32_t *ds = upload(src), *seen = device_zeros<uint32_t>(96);
-    ULY_LAUNCH(cp_async_uncommitted, 1, 32, 64 * 4, 0, ds, seen);
-    CHECK(launch_error() == cudaSuccess, "launch failed");
-    std::vector<uint32_t> h = download(seen, 96);
+    const std::vector<uint32_t> src = numbered(64, 0x2000u);
+    const std::vector<uint32_t> h = run_copies(cp_async_uncommitted, src, 96);
     for (int t = 0; t < 32; t++) {
         CHECK(h[t] == src[t], "thread %d: committed copy 0x%x", t, h[t]);
 #ifdef ULY_EMU
@@ -918,7 +928,6 @@ TEST(cp_async_wait_group_leaves_uncommitted_copies) {
 #endif
         CHECK(h[64 + t] == src[32 + t], "thread %d: after wait_all 0x%x", t, h[64 + t]);
     }
-    cudaFree(ds), cudaFree(seen);
 }
 
 // Groups keep their count from one round of copies to the next, empty groups included (an empty
@@ -950,12 +959,8 @@ __global__ void cp_async_rounds(const uint32_t *src, uint32_t *seen) {
 }
 
 TEST(cp_async_wait_group_counts_groups_across_rounds) {
-    std::vector<uint32_t> src(128);
-    for (int i = 0; i < 128; i++) src[i] = 0x3000u + i;
-    uint32_t *ds = upload(src), *seen = device_zeros<uint32_t>(128);
-    ULY_LAUNCH(cp_async_rounds, 1, 32, 128 * 4, 0, ds, seen);
-    CHECK(launch_error() == cudaSuccess, "launch failed");
-    std::vector<uint32_t> h = download(seen, 128);
+    const std::vector<uint32_t> src = numbered(128, 0x3000u);
+    const std::vector<uint32_t> h = run_copies(cp_async_rounds, src, 128);
     for (int t = 0; t < 32; t++) {
 #ifdef ULY_EMU
         CHECK(h[t] == 0xffffffffu, "thread %d: wait_group 2 completed a group: 0x%x", t, h[t]);
@@ -967,7 +972,6 @@ TEST(cp_async_wait_group_counts_groups_across_rounds) {
         CHECK(h[96 + t] == src[96 + t], "thread %d: slot 3 after wait_group 0: 0x%x", t,
               h[96 + t]);
     }
-    cudaFree(ds), cudaFree(seen);
 }
 
 #ifdef ULY_EMU
@@ -986,18 +990,14 @@ __global__ void cp_async_without_wait(const uint32_t *src, uint32_t *seen) {
 }
 
 TEST(cp_async_missing_wait_reads_poison) {
-    std::vector<uint32_t> src(32, 42);
-    uint32_t *ds = upload(src), *seen = device_zeros<uint32_t>(64);
-    ULY_LAUNCH(cp_async_without_wait, 1, 32, 32 * 4, 0, ds, seen);
-    CHECK(launch_error() == cudaSuccess, "launch failed");
-    std::vector<uint32_t> h = download(seen, 64);
+    const std::vector<uint32_t> h =
+        run_copies(cp_async_without_wait, std::vector<uint32_t>(32, 42), 64);
     for (int t = 0; t < 32; t++) {
         CHECK(h[t] == 0xffffffffu, "thread %d read 0x%x before its wait", t, h[t]);
         uint32_t want = t == 0 ? 0xffffffffu : 42;
         CHECK(h[32 + t] == want, "thread %d after the barrier: 0x%x, want 0x%x", t, h[32 + t],
               want);
     }
-    cudaFree(ds), cudaFree(seen);
 }
 
 __global__ void cp_async_out_of_bounds(const uint32_t *src) {
