@@ -9,6 +9,7 @@
 // The PTX wrappers of ulysses_cuda.cuh (its declarations part; no implementation needed).
 #include "ulysses_cuda.cuh"
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -1296,6 +1297,19 @@ TEST(bad_launch_configurations_are_refused) {
     cudaFree(out);
 }
 
+// cudaPeekAtLastError returns the last error and, unlike cudaGetLastError, leaves it in place
+// (CUDA Runtime API, Error Handling).
+TEST(peek_at_last_error_leaves_the_error_for_get_last_error) {
+    int *out = device_zeros<int>(1);
+    ULY_LAUNCH(count_up, 1, 2048, 0, 0, (float *)nullptr, out);
+    CHECK(cudaPeekAtLastError() == cudaErrorInvalidConfiguration &&
+              cudaPeekAtLastError() == cudaErrorInvalidConfiguration,
+          "peek cleared the error");
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration && cudaGetLastError() == cudaSuccess,
+          "cudaGetLastError after peeks");
+    cudaFree(out);
+}
+
 TEST(runtime_streams_events_and_copies) {
     cudaStream_t s = nullptr;
     cudaEvent_t start = nullptr, stop = nullptr;
@@ -1414,6 +1428,76 @@ TEST(a_fault_drops_later_work_until_the_error_is_taken) {
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && peek(x) == 4, "after: x = %d", peek(x));
     cudaFree(x);
     cudaEventDestroy(after), cudaStreamDestroy(s);
+}
+
+// Async sets are stream work like a kernel: on a stalled stream they wait in queue order, not
+// at the call (CUDA: "asynchronous with respect to the host"). The sleep only gives a stream
+// that ignored its stall time to run; the stall itself decides the outcome.
+TEST(async_sets_run_on_the_stream_in_queue_order) {
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    int *x = device_zeros<int>(1), *y = device_zeros<int>(4);
+    uly_emu_stall_stream(s, true);
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 5);
+    cudaMemsetAsync(x, 0, sizeof(int), s);
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 2);
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, y, 1, 9);
+    cudaMemset2DAsync(y, 2 * sizeof(int), 0, sizeof(int), 2, s);  // y[0] and y[2]
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, y + 2, 1, 3);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(peek(x) == 0 && peek(y) == 0 && peek(y + 2) == 0 &&
+              cudaStreamQuery(s) == cudaErrorNotReady,
+          "ran while stalled: x = %d, y = %d %d", peek(x), peek(y), peek(y + 2));
+    uly_emu_stall_stream(s, false);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess, "sync");
+    CHECK(peek(x) == 2, "x = %d, want ((0 + 5) set to 0) + 2", peek(x));
+    CHECK(peek(y) == 0 && peek(y + 2) == 3, "y = %d %d, want (9 set to 0) and (0 set to 0) + 3",
+          peek(y), peek(y + 2));
+    cudaFree(x), cudaFree(y);
+    cudaStreamDestroy(s);
+}
+
+// An event completes when its stream reaches the record, not at cudaEventRecord: until then
+// cudaEventElapsedTime answers cudaErrorNotReady (CUDA Runtime API, cudaEventElapsedTime).
+TEST(an_event_completes_when_its_stream_reaches_the_record) {
+    cudaStream_t s;
+    cudaEvent_t e;
+    cudaStreamCreate(&s), cudaEventCreate(&e);
+    uly_emu_stall_stream(s, true);
+    cudaEventRecord(e, s);
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, e, e) == cudaErrorNotReady, "complete on a stalled stream");
+    uly_emu_stall_stream(s, false);
+    CHECK(cudaEventSynchronize(e) == cudaSuccess &&
+              cudaEventElapsedTime(&ms, e, e) == cudaSuccess,
+          "not complete after the stream ran it");
+    cudaEventDestroy(e), cudaStreamDestroy(s);
+}
+
+// Work that takes a while on s: the host waits that report "done" must have waited for it. The
+// pass does not depend on timing; the sleep only makes a wait that returns early visible.
+static void slow_store(cudaStream_t s, int *x, int v) {
+    uly_emu_queue(s, [x, v] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        *(volatile int *)x = v;
+    });
+}
+
+// cudaDeviceSynchronize waits for all work of every stream; work on the legacy default stream
+// waits for the work of every blocking stream before it (CUDA Runtime API, stream
+// synchronization behavior).
+TEST(device_sync_and_the_legacy_stream_wait_for_other_streams) {
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    int *x = device_zeros<int>(1);
+    slow_store(s, x, 1);
+    CHECK(cudaDeviceSynchronize() == cudaSuccess && peek(x) == 1, "device sync: x = %d", peek(x));
+    slow_store(s, x, 2);
+    ULY_LAUNCH(scale_add, 1, 1, 0, 0, x, 10, 0);  // the legacy stream: after s's store
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess && download(x, 1)[0] == 20,
+          "legacy launch: x = %d, want 2 * 10", download(x, 1)[0]);
+    cudaFree(x);
+    cudaStreamDestroy(s);
 }
 
 TEST(device_properties_are_an_h100) {

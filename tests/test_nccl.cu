@@ -707,6 +707,248 @@ TEST(nccl_double_split_ranks_by_key_then_old_rank) {
 }
 
 /* ---------------------------------------------------------------------------------------------
+   The double's point-to-point, group and communicator rules, straight on NCCL's calls (two
+   ranks; each rank's peer is the other) */
+
+/* Four ints on the device, all v (a rank's buffers); the first of them read back. */
+static int *ints_on_device(int v) {
+    int h[4] = {v, v, v, v};
+    int *d = NULL;
+    cudaMalloc((void **)&d, sizeof h);
+    cudaMemcpy(d, h, sizeof h, cudaMemcpyHostToDevice);
+    return d;
+}
+
+static int first_int(const int *d) {
+    int v = 0;
+    cudaMemcpy(&v, d, sizeof v, cudaMemcpyDeviceToHost);
+    return v;
+}
+
+typedef struct p2p_job {
+    ncclResult_t call[2], inner[2], end[2], sub[2], async[2];
+    int got[2][2]; /* what each rank's receives got */
+    int polls[2];  /* polls of ncclCommGetAsyncError that answered ncclInProgress */
+} p2p_job;
+
+/* Two sends to one peer meet that peer's two receives in call order (NCCL: operations between
+   a pair of ranks are matched in the order they are issued). */
+static void in_order_main(const uly_comm *c, void *user) {
+    p2p_job *j = (p2p_job *)user;
+    const int r = c->rank, peer = 1 - r;
+    ncclComm_t comm = nccl_of(c);
+    int *a = ints_on_device(10 + r), *b = ints_on_device(20 + r);
+    int *x = ints_on_device(-1), *y = ints_on_device(-1);
+    ncclGroupStart();
+    ncclSend(a, 1, ncclInt32, peer, comm, 0);
+    ncclSend(b, 1, ncclInt32, peer, comm, 0);
+    ncclRecv(x, 1, ncclInt32, peer, comm, 0);
+    ncclRecv(y, 1, ncclInt32, peer, comm, 0);
+    j->end[r] = ncclGroupEnd();
+    j->got[r][0] = first_int(x), j->got[r][1] = first_int(y);
+    cudaFree(a), cudaFree(b), cudaFree(x), cudaFree(y);
+}
+
+TEST(nccl_double_matches_sends_to_one_peer_in_call_order) {
+    p2p_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, in_order_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(j.end[r] == ncclSuccess && j.got[r][0] == 11 - r && j.got[r][1] == 21 - r,
+              "rank %d: %s, got %d then %d; want %d then %d", r, ncclGetErrorString(j.end[r]),
+              j.got[r][0], j.got[r][1], 11 - r, 21 - r);
+}
+
+/* Groups nest, and only the outermost ncclGroupEnd runs what was queued (NCCL, Group Calls):
+   the inner one moves nothing. */
+static void nested_main(const uly_comm *c, void *user) {
+    p2p_job *j = (p2p_job *)user;
+    const int r = c->rank, peer = 1 - r;
+    ncclComm_t comm = nccl_of(c);
+    int *a = ints_on_device(10 + r), *x = ints_on_device(-1);
+    ncclGroupStart();
+    ncclGroupStart();
+    ncclSend(a, 1, ncclInt32, peer, comm, 0);
+    ncclRecv(x, 1, ncclInt32, peer, comm, 0);
+    j->inner[r] = ncclGroupEnd();
+    j->got[r][0] = first_int(x);
+    j->end[r] = ncclGroupEnd();
+    j->got[r][1] = first_int(x);
+    cudaFree(a), cudaFree(x);
+}
+
+TEST(nccl_double_runs_a_nested_group_at_the_outermost_end) {
+    p2p_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, nested_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(j.inner[r] == ncclSuccess && j.got[r][0] == -1 && j.end[r] == ncclSuccess &&
+                  j.got[r][1] == 11 - r,
+              "rank %d: inner end %s with %d received, outer end %s with %d (want -1, then %d)",
+              r, ncclGetErrorString(j.inner[r]), j.got[r][0], ncclGetErrorString(j.end[r]),
+              j.got[r][1], 11 - r);
+}
+
+/* A call that fails inside a group (a peer that is no rank: ncclInvalidArgument) fails the
+   group's ncclGroupEnd too, on every rank, instead of running the rest. */
+static void failed_call_main(const uly_comm *c, void *user) {
+    p2p_job *j = (p2p_job *)user;
+    const int r = c->rank, peer = 1 - r;
+    ncclComm_t comm = nccl_of(c);
+    int *a = ints_on_device(10 + r), *x = ints_on_device(-1);
+    ncclGroupStart();
+    ncclSend(a, 1, ncclInt32, peer, comm, 0);
+    ncclRecv(x, 1, ncclInt32, peer, comm, 0);
+    j->call[r] = ncclSend(a, 1, ncclInt32, c->size, comm, 0);
+    j->end[r] = ncclGroupEnd();
+    cudaFree(a), cudaFree(x);
+}
+
+TEST(nccl_double_a_call_failing_in_a_group_fails_ncclGroupEnd) {
+    p2p_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, failed_call_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(j.call[r] == ncclInvalidArgument && j.end[r] != ncclSuccess,
+              "rank %d: ncclSend to rank 2 %s, ncclGroupEnd %s", r, ncclGetErrorString(j.call[r]),
+              ncclGetErrorString(j.end[r]));
+}
+
+/* A receive shorter than its send is an error on both ranks, as a longer one is (NCCL wants
+   equal counts; it would hang or truncate). */
+static void long_send_main(const uly_comm *c, void *user) {
+    p2p_job *j = (p2p_job *)user;
+    const int r = c->rank, peer = 1 - r;
+    ncclComm_t comm = nccl_of(c);
+    int *a = ints_on_device(10 + r), *x = ints_on_device(-1);
+    ncclGroupStart();
+    ncclSend(a, 2, ncclInt32, peer, comm, 0);
+    ncclRecv(x, 1, ncclInt32, peer, comm, 0);
+    j->end[r] = ncclGroupEnd();
+    cudaFree(a), cudaFree(x);
+}
+
+TEST(nccl_double_a_send_longer_than_its_receive_is_invalid_usage) {
+    p2p_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, long_send_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(j.end[r] == ncclInvalidUsage, "rank %d: ncclGroupEnd %s", r,
+              ncclGetErrorString(j.end[r]));
+}
+
+/* Collectives whose counts differ between ranks are an error on every rank (NCCL would hang or
+   corrupt memory). */
+static void uneven_allreduce_main(const uly_comm *c, void *user) {
+    p2p_job *j = (p2p_job *)user;
+    double *d = NULL;
+    cudaMalloc((void **)&d, 2 * sizeof(double));
+    cudaMemset(d, 0, 2 * sizeof(double));
+    j->end[c->rank] = ncclAllReduce(d, d, 1 + c->rank, ncclFloat64, ncclSum, nccl_of(c), 0);
+    cudaFree(d);
+}
+
+TEST(nccl_double_collectives_of_different_counts_fail_on_every_rank) {
+    p2p_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, uneven_allreduce_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(j.end[r] == ncclInvalidUsage, "rank %d: ncclAllReduce %s", r,
+              ncclGetErrorString(j.end[r]));
+}
+
+/* ncclCommAbort ends the communicator as ncclCommDestroy does, and the double tells them apart
+   (tests that a caller aborted, not destroyed, read uly_emu_nccl_aborted). */
+static void abort_main(const uly_comm *c, void *user) {
+    p2p_job *j = (p2p_job *)user;
+    const int r = c->rank;
+    ncclComm_t a = NULL, b = NULL;
+    ncclCommSplit(nccl_of(c), 0, r, &a, NULL);
+    ncclCommSplit(nccl_of(c), 0, r, &b, NULL);
+    ncclCommAbort(a);
+    ncclCommDestroy(b);
+    j->got[r][0] = uly_emu_nccl_aborted(a), j->got[r][1] = uly_emu_nccl_aborted(b);
+}
+
+TEST(nccl_double_knows_an_aborted_communicator_from_a_destroyed_one) {
+    p2p_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run(2, abort_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(j.got[r][0] == 1 && j.got[r][1] == 0, "rank %d: aborted %d, destroyed %d", r,
+              j.got[r][0], j.got[r][1]);
+}
+
+/* Polls ncclCommGetAsyncError while it answers ncclInProgress (at most 100 times): how many
+   did, and the state it settled on in *async. */
+static int settle(ncclComm_t comm, ncclResult_t *async) {
+    int polls = 0;
+    while (ncclCommGetAsyncError(comm, async) == ncclSuccess && *async == ncclInProgress &&
+           polls < 100)
+        polls++;
+    return polls;
+}
+
+/* On a non-blocking communicator the group's ncclGroupEnd answers ncclInProgress and the caller
+   polls ncclCommGetAsyncError until it is done (NCCL, Fault Tolerance: non-blocking
+   communicators); the double answers ncclInProgress to polls too, so a caller that does not
+   poll fails. A split with no config inherits the parent's, so is non-blocking too (NCCL,
+   ncclCommSplit). */
+static void nonblocking_main(const uly_comm *c, void *user) {
+    p2p_job *j = (p2p_job *)user;
+    const int r = c->rank, peer = 1 - r;
+    ncclComm_t comm = nccl_of(c), sub = NULL;
+    ncclResult_t async;
+    int *a = ints_on_device(10 + r), *x = ints_on_device(-1);
+    ncclGroupStart();
+    ncclSend(a, 1, ncclInt32, peer, comm, 0);
+    ncclRecv(x, 1, ncclInt32, peer, comm, 0);
+    j->end[r] = ncclGroupEnd();
+    j->polls[r] = settle(comm, &j->async[r]);
+    j->got[r][0] = first_int(x);
+    j->call[r] = ncclCommSplit(comm, 0, r, &sub, NULL);
+    settle(comm, &async);
+    if (sub) {
+        settle(sub, &async);
+        double *d = NULL;
+        cudaMalloc((void **)&d, sizeof(double));
+        const double one = 1;
+        cudaMemcpy(d, &one, sizeof one, cudaMemcpyHostToDevice);
+        j->sub[r] = ncclAllReduce(d, d, 1, ncclFloat64, ncclSum, sub, 0);
+        settle(sub, &async);
+        double sum = 0;
+        cudaMemcpy(&sum, d, sizeof sum, cudaMemcpyDeviceToHost);
+        j->got[r][1] = (int)sum;
+        cudaFree(d);
+        ncclCommDestroy(sub);
+    }
+    cudaFree(a), cudaFree(x);
+}
+
+TEST(nccl_double_nonblocking_groups_and_splits_answer_in_progress) {
+    p2p_job j;
+    memset(&j, 0, sizeof j);
+    uly_status st = nccl_run_nonblocking(2, nonblocking_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++) {
+        CHECK(j.end[r] == ncclInProgress && j.polls[r] > 0 && j.polls[r] < 100 &&
+                  j.async[r] == ncclSuccess && j.got[r][0] == 11 - r,
+              "rank %d: ncclGroupEnd %s, %d polls in progress, then %s; got %d", r,
+              ncclGetErrorString(j.end[r]), j.polls[r], ncclGetErrorString(j.async[r]),
+              j.got[r][0]);
+        CHECK(j.call[r] == ncclInProgress && j.sub[r] == ncclInProgress && j.got[r][1] == 2,
+              "rank %d: ncclCommSplit %s, ncclAllReduce on the split %s, sum %d", r,
+              ncclGetErrorString(j.call[r]), ncclGetErrorString(j.sub[r]), j.got[r][1]);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
    Errors */
 
 TEST(failing_ncclSend_is_ecomm_with_nccls_message) {
