@@ -731,6 +731,15 @@ typedef struct p2p_job {
     int polls[2];  /* polls of ncclCommGetAsyncError that answered ncclInProgress */
 } p2p_job;
 
+/* Runs fn on two ranks (non-blocking communicators if asked) and returns what they recorded. */
+static p2p_job run_pair(void (*fn)(const uly_comm *, void *), bool nonblocking = false) {
+    p2p_job j;
+    memset(&j, 0, sizeof j);
+    const uly_status st = nonblocking ? nccl_run_nonblocking(2, fn, &j) : nccl_run(2, fn, &j);
+    CHECK(!st.code, "%s", st.msg);
+    return j;
+}
+
 /* Two sends to one peer meet that peer's two receives in call order (NCCL: operations between
    a pair of ranks are matched in the order they are issued). */
 static void in_order_main(const uly_comm *c, void *user) {
@@ -750,10 +759,7 @@ static void in_order_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_matches_sends_to_one_peer_in_call_order) {
-    p2p_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, in_order_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const p2p_job j = run_pair(in_order_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.end[r] == ncclSuccess && j.got[r][0] == 11 - r && j.got[r][1] == 21 - r,
               "rank %d: %s, got %d then %d; want %d then %d", r, ncclGetErrorString(j.end[r]),
@@ -779,10 +785,7 @@ static void nested_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_runs_a_nested_group_at_the_outermost_end) {
-    p2p_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, nested_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const p2p_job j = run_pair(nested_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.inner[r] == ncclSuccess && j.got[r][0] == -1 && j.end[r] == ncclSuccess &&
                   j.got[r][1] == 11 - r,
@@ -807,10 +810,7 @@ static void failed_call_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_a_call_failing_in_a_group_fails_ncclGroupEnd) {
-    p2p_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, failed_call_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const p2p_job j = run_pair(failed_call_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.call[r] == ncclInvalidArgument && j.end[r] != ncclSuccess,
               "rank %d: ncclSend to rank 2 %s, ncclGroupEnd %s", r, ncclGetErrorString(j.call[r]),
@@ -832,10 +832,7 @@ static void long_send_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_a_send_longer_than_its_receive_is_invalid_usage) {
-    p2p_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, long_send_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const p2p_job j = run_pair(long_send_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.end[r] == ncclInvalidUsage, "rank %d: ncclGroupEnd %s", r,
               ncclGetErrorString(j.end[r]));
@@ -853,10 +850,7 @@ static void uneven_allreduce_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_collectives_of_different_counts_fail_on_every_rank) {
-    p2p_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, uneven_allreduce_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const p2p_job j = run_pair(uneven_allreduce_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.end[r] == ncclInvalidUsage, "rank %d: ncclAllReduce %s", r,
               ncclGetErrorString(j.end[r]));
@@ -876,10 +870,7 @@ static void abort_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_knows_an_aborted_communicator_from_a_destroyed_one) {
-    p2p_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, abort_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const p2p_job j = run_pair(abort_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.got[r][0] == 1 && j.got[r][1] == 0, "rank %d: aborted %d, destroyed %d", r,
               j.got[r][0], j.got[r][1]);
@@ -932,10 +923,7 @@ static void nonblocking_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_nonblocking_groups_and_splits_answer_in_progress) {
-    p2p_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run_nonblocking(2, nonblocking_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const p2p_job j = run_pair(nonblocking_main, true);
     for (int r = 0; r < 2; r++) {
         CHECK(j.end[r] == ncclInProgress && j.polls[r] > 0 && j.polls[r] < 100 &&
                   j.async[r] == ncclSuccess && j.got[r][0] == 11 - r,
