@@ -37,7 +37,8 @@ static std::string describe(const fcase &c) {
     if (c.scale) snprintf(scale, sizeof scale, " scale=%g", (double)c.scale);
     snprintf(s, sizeof s, "%s D=%lld B=%lld Sq=%lld Sk=%lld H=%lld Hkv=%lld%s%s%s%s", dt_name(c.dt),
              (long long)c.D, (long long)c.B, (long long)c.Sq, (long long)c.Sk, (long long)c.H,
-             (long long)c.Hkv, scale, c.causal ? " causal" : "", c.strided == OWN_STRIDES ? " own strides" : c.strided ? " strided" : "",
+             (long long)c.Hkv, scale, c.causal ? " causal" : "",
+             c.strided == OWN_STRIDES ? " own strides" : c.strided ? " strided" : "",
              c.deterministic ? " deterministic" : "");
     return s;
 }

@@ -16,9 +16,10 @@
      has, it says so and this path runs (emulated: a smaller GPU).
    - Each of the eight tensors with strides of its own (GQA, a rank past the first group, an
      unread kv head); the backward leaves lse alone. The workspace's parts lie apart and inside
-     workspace(), cuBLASLt's own ULY__LT_WS bytes included (the emulated GEMM overwrites
-     them when it runs), sized by the query heads a kv head has here, not by kv_group. fp32, D > 256, 65536
-     batches, GEMM dims past int and backward tensors of the wrong shape are named errors.
+     workspace(), cuBLASLt's own ULY__LT_WS bytes included (the emulated GEMM overwrites them
+     when it runs), sized by the query heads a kv head has here, not by kv_group. fp32,
+     D > 256, 65536 batches, GEMM dims past int and backward tensors of the wrong shape are
+     named errors.
    Under the emulator (make test) cuBLASLt is tests/emu/cublaslt_emu.cpp, a double that computes
    the documented GEMM and refuses what it does not model; on a GPU (make test-gpu) it is the real
    library, and the first test is what shows the double models it. */

@@ -203,6 +203,18 @@ TEST(reference_attention_every_tensor_has_its_own_strides) {
     }
 }
 
+/* Args for the reference attention's checks: the eight views, lse and the workspace all over
+   buf, which no check reads. */
+static uly_attn_args views_over(float *buf, int64_t B, int64_t S, int64_t H, int64_t Hkv,
+                                int64_t D) {
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_F32, B, S, H, D);
+    a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_F32, B, S, Hkv, D);
+    a.lse = buf, a.workspace = buf, a.workspace_bytes = INT64_MAX / 2;
+    return a;
+}
+
 /* The backward checks what only it uses, before anything runs: a dq or dk whose shape is not
    q's or k's is EINVAL (the forward does not look at them), and so is a workspace a byte short
    of workspace() (its Dsum). The views are never read. */
@@ -210,10 +222,7 @@ TEST(reference_attention_backward_rejects_bad_gradients_and_a_short_workspace) {
     const uly_attn ref = uly_cuda_reference_attention();
     alignas(16) static float buf[64];
     for (int which = 0; which < 3; which++) {
-        uly_attn_args a;
-        memset(&a, 0, sizeof a);
-        a.q = a.o = a.dout = a.dq = a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_F32, 1, 2, 1, 8);
-        a.lse = buf, a.workspace = buf, a.workspace_bytes = 1 << 20;
+        uly_attn_args a = views_over(buf, 1, 2, 1, 1, 8);
         if (which == 0) a.dq.s = 1;
         if (which == 1) a.dk.s = 1;
         if (which == 2) a.workspace_bytes = ref.workspace(ref.ctx, &a) - 1;
@@ -229,11 +238,8 @@ TEST(reference_attention_backward_rejects_bad_gradients_and_a_short_workspace) {
 TEST(reference_attention_rejects_65536_kv_heads_and_a_misaligned_workspace) {
     const uly_attn ref = uly_cuda_reference_attention();
     alignas(16) static float buf[16];
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_F32, 1, 1, 1, 8);
-    a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_F32, 1, 1, 65536, 8);
-    a.kv_group = 1, a.lse = buf, a.workspace = buf;
+    uly_attn_args a = views_over(buf, 1, 1, 1, 65536, 8);
+    a.kv_group = 1;
     uly_status st = ref.check(ref.ctx, &a, 1);
     CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "k.h (65536) must be <= 65535"), "'%s'",
           st.msg);
@@ -833,13 +839,7 @@ TEST(reference_attention_rejects_65536_batches_or_query_heads) {
     alignas(16) static float buf[16];
     for (int which = 0; which < 2; which++)
         for (int backward = 0; backward < 2; backward++) {
-            uly_attn_args a;
-            memset(&a, 0, sizeof a);
-            const int64_t B = which ? 1 : 65536, H = which ? 65536 : 1;
-            a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_F32, B, 1, H, 8);
-            a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_F32, B, 1, 1, 8);
-            a.kv_group = 0, a.lse = buf, a.workspace = buf;
-            a.workspace_bytes = INT64_MAX / 2;
+            const uly_attn_args a = views_over(buf, which ? 1 : 65536, 1, which ? 65536 : 1, 1, 8);
             const uly_status st = ref.check(ref.ctx, &a, backward);
             CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "must be <= 65535"),
                   "%s, %s: code %d '%s'", which ? "q.h 65536" : "q.b 65536",
@@ -852,10 +852,7 @@ TEST(reference_attention_rejects_a_head_dim_past_256) {
     const uly_attn ref = uly_cuda_reference_attention();
     alignas(16) static float buf[16];
     for (int backward = 0; backward < 2; backward++) {
-        uly_attn_args a;
-        memset(&a, 0, sizeof a);
-        a.q = a.o = a.dout = a.dq = a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_F32, 1, 1, 1, 257);
-        a.lse = buf, a.workspace = buf, a.workspace_bytes = 1 << 20;
+        const uly_attn_args a = views_over(buf, 1, 1, 1, 1, 257);
         const uly_status st = ref.check(ref.ctx, &a, backward);
         CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "q.d (257) > 256"), "%s: code %d '%s'",
               backward ? "backward" : "forward", (int)st.code, st.msg);
