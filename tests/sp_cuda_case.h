@@ -335,6 +335,20 @@ static void sleep_on_stream(cudaStream_t s, long ms) {
    A communicator's barrier holds every rank until all arrive: rank r comes 20 r ms late, and
    none may leave before the last has come. run is the communicator's uly_local_run. */
 
+/* A communicator's runner: uly_cuda_local_run, or test_nccl's nccl_run and its variants. */
+typedef uly_status (*rank_runner)(int size, void (*fn)(const uly_comm *, void *), void *user);
+
+/* Runs fn on `size` ranks of run over a zeroed job J and returns the job; a run that fails is a
+   failed check. */
+template <typename J>
+static J run_job(rank_runner run, int size, void (*fn)(const uly_comm *, void *)) {
+    J j;
+    memset(&j, 0, sizeof j);
+    const uly_status st = run(size, fn, &j);
+    CHECK(!st.code, "%s", st.msg);
+    return j;
+}
+
 typedef struct barrier_job {
     int arrived[4];
     int early[4]; /* ranks not yet arrived when this one left the barrier */
@@ -351,11 +365,8 @@ static void barrier_main(const uly_comm *c, void *user) {
         j->early[c->rank] += !__atomic_load_n(&j->arrived[q], __ATOMIC_SEQ_CST);
 }
 
-static void check_barrier(uly_status (*run)(int, void (*)(const uly_comm *, void *), void *)) {
-    barrier_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = run(4, barrier_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+static void check_barrier(rank_runner run) {
+    const barrier_job j = run_job<barrier_job>(run, 4, barrier_main);
     for (int r = 0; r < 4; r++)
         CHECK(!j.st[r].code && !j.early[r], "rank %d: '%s', left while %d ranks had not arrived",
               r, j.st[r].msg, j.early[r]);

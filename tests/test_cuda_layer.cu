@@ -611,10 +611,7 @@ static void comm_main(const uly_comm *c, void *user) {
 }
 
 TEST(device_local_alltoallv_and_allreduce) {
-    comm_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = uly_cuda_local_run(4, comm_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const comm_job j = run_job<comm_job>(uly_cuda_local_run, 4, comm_main);
     for (int r = 0; r < 4; r++) {
         CHECK(!j.st[r].code && !j.wrong[r], "rank %d: '%s', %lld wrong bytes", r, j.st[r].msg,
               (long long)j.wrong[r]);
@@ -656,10 +653,7 @@ static void pinned_main(const uly_comm *c, void *user) {
 }
 
 TEST(device_local_allreduce_of_host_memory_waits_for_the_stream) {
-    pinned_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = uly_cuda_local_run(4, pinned_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const pinned_job j = run_job<pinned_job>(uly_cuda_local_run, 4, pinned_main);
     for (int r = 0; r < 4; r++)
         CHECK(!j.st[r].code && j.got[r] == 10, "rank %d: '%s', sum %g, want 1+2+3+4", r,
               j.st[r].msg, j.got[r]);
@@ -783,10 +777,7 @@ static void many_main(const uly_comm *c, void *user) {
 }
 
 TEST(device_local_allreduce_of_device_memory_past_one_chunk) {
-    many_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = uly_cuda_local_run(4, many_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const many_job j = run_job<many_job>(uly_cuda_local_run, 4, many_main);
     for (int r = 0; r < 4; r++)
         CHECK(!j.st[r].code && !j.wrong[r], "rank %d: '%s', %lld of 150 sums wrong", r,
               j.st[r].msg, (long long)j.wrong[r]);
@@ -816,10 +807,7 @@ static void badargs_main(const uly_comm *c, void *user) {
 }
 
 TEST(device_local_bad_arguments_on_one_rank_fail_every_rank) {
-    badargs_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = uly_cuda_local_run(4, badargs_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const badargs_job j = run_job<badargs_job>(uly_cuda_local_run, 4, badargs_main);
     CHECK(j.st[0].code == ULY_EINVAL && strstr(j.st[0].msg, "send is NULL"), "rank 0: '%s'",
           j.st[0].msg);
     for (int r = 1; r < 4; r++)

@@ -549,10 +549,7 @@ static void bare_main(const uly_comm *c, void *user) {
 }
 
 TEST(without_scratch_host_memory_and_barrier_are_unsupported) {
-    bare_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, bare_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const bare_job j = run_job<bare_job>(nccl_run, 2, bare_main);
     for (int r = 0; r < 2; r++) {
         CHECK(j.host[r].code == ULY_EUNSUPPORTED &&
                   strstr(j.host[r].msg, "allreduce_sum of host memory: uly_nccl.scratch is NULL"),
@@ -693,10 +690,7 @@ static void color_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_split_ranks_by_key_then_old_rank) {
-    color_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(4, color_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const color_job j = run_job<color_job>(nccl_run, 4, color_main);
     const int want[3] = {1, 0, 2};
     for (int r = 0; r < 3; r++)
         CHECK(j.r[r] == ncclSuccess && !j.null[r] && j.size[r] == 3 && j.rank[r] == want[r],
@@ -731,15 +725,6 @@ typedef struct p2p_job {
     int polls[2];  /* polls of ncclCommGetAsyncError that answered ncclInProgress */
 } p2p_job;
 
-/* Runs fn on two ranks (non-blocking communicators if asked) and returns what they recorded. */
-static p2p_job run_pair(void (*fn)(const uly_comm *, void *), bool nonblocking = false) {
-    p2p_job j;
-    memset(&j, 0, sizeof j);
-    const uly_status st = nonblocking ? nccl_run_nonblocking(2, fn, &j) : nccl_run(2, fn, &j);
-    CHECK(!st.code, "%s", st.msg);
-    return j;
-}
-
 /* Two sends to one peer meet that peer's two receives in call order (NCCL: operations between
    a pair of ranks are matched in the order they are issued). */
 static void in_order_main(const uly_comm *c, void *user) {
@@ -759,7 +744,7 @@ static void in_order_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_matches_sends_to_one_peer_in_call_order) {
-    const p2p_job j = run_pair(in_order_main);
+    const p2p_job j = run_job<p2p_job>(nccl_run, 2, in_order_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.end[r] == ncclSuccess && j.got[r][0] == 11 - r && j.got[r][1] == 21 - r,
               "rank %d: %s, got %d then %d; want %d then %d", r, ncclGetErrorString(j.end[r]),
@@ -785,7 +770,7 @@ static void nested_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_runs_a_nested_group_at_the_outermost_end) {
-    const p2p_job j = run_pair(nested_main);
+    const p2p_job j = run_job<p2p_job>(nccl_run, 2, nested_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.inner[r] == ncclSuccess && j.got[r][0] == -1 && j.end[r] == ncclSuccess &&
                   j.got[r][1] == 11 - r,
@@ -810,7 +795,7 @@ static void failed_call_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_a_call_failing_in_a_group_fails_ncclGroupEnd) {
-    const p2p_job j = run_pair(failed_call_main);
+    const p2p_job j = run_job<p2p_job>(nccl_run, 2, failed_call_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.call[r] == ncclInvalidArgument && j.end[r] != ncclSuccess,
               "rank %d: ncclSend to rank 2 %s, ncclGroupEnd %s", r, ncclGetErrorString(j.call[r]),
@@ -832,7 +817,7 @@ static void long_send_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_a_send_longer_than_its_receive_is_invalid_usage) {
-    const p2p_job j = run_pair(long_send_main);
+    const p2p_job j = run_job<p2p_job>(nccl_run, 2, long_send_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.end[r] == ncclInvalidUsage, "rank %d: ncclGroupEnd %s", r,
               ncclGetErrorString(j.end[r]));
@@ -850,7 +835,7 @@ static void uneven_allreduce_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_collectives_of_different_counts_fail_on_every_rank) {
-    const p2p_job j = run_pair(uneven_allreduce_main);
+    const p2p_job j = run_job<p2p_job>(nccl_run, 2, uneven_allreduce_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.end[r] == ncclInvalidUsage, "rank %d: ncclAllReduce %s", r,
               ncclGetErrorString(j.end[r]));
@@ -870,7 +855,7 @@ static void abort_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_knows_an_aborted_communicator_from_a_destroyed_one) {
-    const p2p_job j = run_pair(abort_main);
+    const p2p_job j = run_job<p2p_job>(nccl_run, 2, abort_main);
     for (int r = 0; r < 2; r++)
         CHECK(j.got[r][0] == 1 && j.got[r][1] == 0, "rank %d: aborted %d, destroyed %d", r,
               j.got[r][0], j.got[r][1]);
@@ -923,7 +908,7 @@ static void nonblocking_main(const uly_comm *c, void *user) {
 }
 
 TEST(nccl_double_nonblocking_groups_and_splits_answer_in_progress) {
-    const p2p_job j = run_pair(nonblocking_main, true);
+    const p2p_job j = run_job<p2p_job>(nccl_run_nonblocking, 2, nonblocking_main);
     for (int r = 0; r < 2; r++) {
         CHECK(j.end[r] == ncclInProgress && j.polls[r] > 0 && j.polls[r] < 100 &&
                   j.async[r] == ncclSuccess && j.got[r][0] == 11 - r,
@@ -991,10 +976,7 @@ static void async_next_main(const uly_comm *c, void *user) {
 }
 
 TEST(an_async_error_fails_the_next_call) {
-    async_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, async_next_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const async_job j = run_job<async_job>(nccl_run, 2, async_next_main);
     for (int r = 0; r < 2; r++)
         check_ecomm(j.next[r], r, "alltoallv: ncclSend/ncclRecv", ncclRemoteError, kFaultMsg);
 }
@@ -1052,10 +1034,7 @@ static void timeout_main(const uly_comm *c, void *user) {
 }
 
 TEST(wait_gives_up_on_a_stalled_stream_after_the_timeout) {
-    timeout_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, timeout_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const timeout_job j = run_job<timeout_job>(nccl_run, 2, timeout_main);
     for (int r = 0; r < 2; r++) {
         CHECK(!j.idle[r].code && !j.aborted_idle[r], "rank %d, a finished stream: '%s'%s", r,
               j.idle[r].msg, j.aborted_idle[r] ? ", aborted" : "");
@@ -1200,10 +1179,7 @@ static void busy_main(const uly_comm *c, void *user) {
 }
 
 TEST(wait_without_a_timeout_waits_for_a_busy_stream) {
-    stall_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, busy_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const stall_job j = run_job<stall_job>(nccl_run, 2, busy_main);
     for (int r = 0; r < 2; r++)
         CHECK(!j.st[r].code && j.waited[r] >= 0.04, "rank %d: '%s' after %.3f s, want success "
               "once the stream is done", r, j.st[r].msg, j.waited[r]);
@@ -1233,10 +1209,7 @@ static void a2a_args_main(const uly_comm *c, void *user) {
 }
 
 TEST(alltoall_rejects_a_negative_size_and_null_buffers) {
-    a2a_args_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(2, a2a_args_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const a2a_args_job j = run_job<a2a_args_job>(nccl_run, 2, a2a_args_main);
     for (int r = 0; r < 2 && !j.none; r++)
         for (int k = 0; k < 3; k++)
             CHECK(j.st[r][k].code == ULY_EINVAL && strstr(j.st[r][k].msg, "alltoall: bytes"),
@@ -1295,10 +1268,7 @@ static void badsp_main(const uly_comm *c, void *user) {
 }
 
 TEST(split_rejects_an_sp_size_below_one) {
-    badsp_job j;
-    memset(&j, 0, sizeof j);
-    uly_status st = nccl_run(4, badsp_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const badsp_job j = run_job<badsp_job>(nccl_run, 4, badsp_main);
     for (int r = 0; r < 4; r++)
         for (int k = 0; k < 2; k++)
             CHECK(j.st[r][k].code == ULY_EINVAL && strstr(j.st[r][k].msg, "sp_size"),
