@@ -7,9 +7,11 @@
    (impl,d,causal,seq,batch,heads,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops) on stdout and, on stderr,
    each kernel's registers and shared memory. bench/bench_sdpa.py prints the same for PyTorch;
    bench/plot_attn.py draws them side by side.
-   Arguments: bench_attn [TOKENS [SMIN SMAX [WIDTH]]]: B * S, the range of S (doubling) and H * D,
-   defaults 16384 1024 32768 2048. make test runs it under the emulator at a tiny size, a smoke
-   check of the whole pipeline (bench/run_attn.sh) whose times mean nothing. */
+   Arguments: bench_attn [TOKENS [SMIN SMAX [WIDTH [D CAUSAL]]]]: B * S, the range of S
+   (doubling) and H * D, defaults 16384 1024 32768 2048; D and CAUSAL keep one head dim and mask
+   (bench/lent_gpu.sh profiles that point's first launch). make test runs it under the emulator
+   at a tiny size, a smoke check of the whole pipeline (bench/run_attn.sh) whose times mean
+   nothing. */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
@@ -44,20 +46,25 @@ template <int D> static void kernel_table(void) {
 }
 
 int main(int argc, char **argv) {
-    int64_t tokens = 16384, smin = 1024, smax = 32768, width = 2048;
+    int64_t tokens = 16384, smin = 1024, smax = 32768, width = 2048, one_d = 0, one_causal = 0;
     if (argc > 1) tokens = atoll(argv[1]);
     if (argc > 3) smin = atoll(argv[2]), smax = atoll(argv[3]);
     if (argc > 4) width = atoll(argv[4]);
-    if (argc == 3 || argc > 5 || tokens < 1 || smin < 1 || width < 128 || width % 128) {
-        fprintf(stderr, "usage: bench_attn [TOKENS [SMIN SMAX [WIDTH]]], WIDTH a multiple of "
-                        "128\n");
+    if (argc > 6) one_d = atoll(argv[5]), one_causal = atoll(argv[6]);
+    const bool bad_point =
+        one_d && ((one_d != 64 && one_d != 128) || one_causal < 0 || one_causal > 1);
+    if (argc == 3 || argc == 6 || argc > 7 || tokens < 1 || smin < 1 || width < 128 ||
+        width % 128 || bad_point) {
+        fprintf(stderr, "usage: bench_attn [TOKENS [SMIN SMAX [WIDTH [D CAUSAL]]]], WIDTH a "
+                        "multiple of 128, D 64 or 128, CAUSAL 0 or 1\n");
         return 2;
     }
     kernel_table<64>();
     kernel_table<128>();
     printf("impl,d,causal,seq,batch,heads,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops\n");
     for (int64_t D : {64, 128})
-        for (int causal : {0, 1})
+        for (int causal : {0, 1}) {
+            if (one_d && (D != one_d || causal != one_causal)) continue;
             for (int64_t S = smin; S <= smax; S *= 2) {
                 const int64_t B = std::max<int64_t>(1, tokens / S), H = width / D;
                 const int64_t n = B * S * H * D;
@@ -87,5 +94,6 @@ int main(int argc, char **argv) {
                 for (auto p : buf) cudaFree(p);
                 cudaFree(a.lse), cudaFree(a.workspace);
             }
+        }
     return 0;
 }
