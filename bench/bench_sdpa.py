@@ -33,12 +33,12 @@ def time_ms(fn, cuda):
     """Median of 10 runs of fn, as bench_cuda.h's bench_median_ms: at least 2 untimed runs and
     100 ms of them (the clocks ramp up from idle), then on a GPU the timed runs back to back with
     an event between each, so an interval is one run's GPU time and not Python's dispatch."""
-    start, spent = time.perf_counter(), 0
-    while spent < 2 or time.perf_counter() - start < 0.1:
+    start, runs = time.perf_counter(), 0
+    while runs < 2 or time.perf_counter() - start < 0.1:
         fn()
         if cuda:
             torch.cuda.synchronize()
-        spent += 1
+        runs += 1
     if cuda:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(11)]
         events[0].record()

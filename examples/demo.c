@@ -248,9 +248,9 @@ static void run_rank(const uly_comm *c, void *user) {
     int64_t nq = d->B * d->S * d->H * d->D, nkv = d->B * d->S * d->Hkv * d->D;
     share(c, d->out, nq), share(c, d->dq, nq), share(c, d->dk, nkv), share(c, d->dv, nkv);
     float *got[4] = {d->out, d->dq, d->dk, d->dv}, *want[4] = {d->rout, d->rdq, d->rdk, d->rdv};
-    for (int i = 0; i < 4 && ref_kv(d, c).count; i++)
-        err[i] = max_err(group_view(d, got[i], i < 2, ref_kv(d, c)),
-                         group_view(d, want[i], i < 2, ref_kv(d, c)));
+    const uly_range kv = ref_kv(d, c);
+    for (int i = 0; i < 4 && kv.count; i++)
+        err[i] = max_err(group_view(d, got[i], i < 2, kv), group_view(d, want[i], i < 2, kv));
     st = max_over_ranks(c, err, 5);
     if (st.code) {
         fprintf(stderr, "demo: rank %d: comparing the errors: %s\n", c->rank, st.msg);
