@@ -117,7 +117,8 @@ typedef struct uly_status {
 } uly_status;
 
 /* ---------------------------------------------------------------------------------------------
-   Tensors: strided [b, s, h, d] views with a contiguous last dim */
+   Tensors: strided [b, s, h, d] views with a contiguous last dim, data aligned to the element
+   size */
 
 typedef enum uly_dtype { ULY_F32 = 0, ULY_BF16, ULY_F16 } uly_dtype;
 
@@ -535,6 +536,9 @@ static uly_status uly__check_view(const char *name, uly_tensor t) {
     ULY__CHECK(t.data, ULY_EINVAL, "%s: data is NULL", name);
     ULY__CHECK(uly_dtype_size(t.dtype), ULY_EINVAL, "%s: dtype (%d) is not a uly_dtype", name,
                (int)t.dtype);
+    ULY__CHECK((uintptr_t)t.data % (uintptr_t)uly_dtype_size(t.dtype) == 0, ULY_EINVAL,
+               "%s: data (%p) is not aligned to its element size (%lld bytes)", name, t.data,
+               ULY__LL(uly_dtype_size(t.dtype)));
     ULY__CHECK(t.b > 0 && t.s > 0 && t.h > 0 && t.d > 0, ULY_EINVAL,
                "%s: shape [%lld, %lld, %lld, %lld] must be positive", name, ULY__LL(t.b),
                ULY__LL(t.s), ULY__LL(t.h), ULY__LL(t.d));
@@ -1385,15 +1389,31 @@ static void uly__sum_kv_copies(const uly_plan *p, uly_tensor t, const char *recv
 /* Moves peer blocks between tensor t and exchange buffer buf. In buf the blocks are dense, in
    peer order; in t peer j's block is the view of j's heads (sequence layout) or of j's tokens
    (head layout). */
-static uly_status uly__cpu_move(const uly_plan *p, uly_xchg x, int pack, uly_tensor t, char *buf) {
+/* The rules of every layout, CPU and CUDA: a plan as uly_plan_init made it, an exchange, t a
+   valid view of the layout that x packs from (pack) or unpacks to, and an exchange buffer
+   aligned to the element size. */
+static uly_status uly__check_move(const uly_plan *p, uly_xchg x, int pack, uly_tensor t,
+                                  const void *buf) {
+    static const char *const names[] = {"Q", "KV", "O", "DKV"};
+    char what[32];
     ULY__CHECK(uly__plan_ok(p), ULY_EINVAL,
                "layout: plan is NULL or not as uly_plan_init made it");
-    ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "layout: exchange (%d) is not a "
-               "uly_xchg", (int)x);
-    int seq = pack == uly__to_head(x);
-    uly_tensor want = seq ? uly__seq_layout(p, x, NULL) : uly__head_layout(p, x, NULL);
-    ULY__TRY(uly__check_like(pack ? "layout: pack src" : "layout: unpack dst", t, want));
-    ULY__CHECK(buf, ULY_EINVAL, "layout: %s is NULL", pack ? "send" : "recv");
+    ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "layout: x (%d) is not a uly_xchg",
+               (int)x);
+    snprintf(what, sizeof what, "%s %s: %s", pack ? "pack" : "unpack", names[x],
+             pack ? "src" : "dst");
+    ULY__TRY(uly__check_like(what, t, pack == uly__to_head(x) ? uly__seq_layout(p, x, NULL)
+                                                              : uly__head_layout(p, x, NULL)));
+    ULY__CHECK(buf && (uintptr_t)buf % (uintptr_t)p->elem_size == 0, ULY_EINVAL,
+               "%s %s: %s (%p) is NULL or not aligned to the element size (%lld bytes)",
+               pack ? "pack" : "unpack", names[x], pack ? "send" : "recv", buf,
+               ULY__LL(p->elem_size));
+    return uly__ok();
+}
+
+static uly_status uly__cpu_move(const uly_plan *p, uly_xchg x, int pack, uly_tensor t, char *buf) {
+    ULY__TRY(uly__check_move(p, x, pack, t, buf));
+    const int seq = pack == uly__to_head(x);
     if (!pack && x == ULY_X_DKV && uly__kv_shared(p)) {
         uly__sum_kv_copies(p, t, buf);
         return uly__ok();

@@ -649,23 +649,7 @@ static uly_status uly__launch_boxes(const uly__boxes &b, int unpack, cudaStream_
 
 static uly_status uly__cuda_xfer(const uly_plan *p, uly_xchg x, int unpack, uly_tensor t,
                                  void *buf, void *stream) {
-    static const char *const names[] = {"Q", "KV", "O", "DKV"};
-    char what[32];
-    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "uly_cuda_layout: plan is NULL or not initialized");
-    ULY__CHECK(x >= ULY_X_Q && x <= ULY_X_DKV, ULY_EINVAL, "uly_cuda_layout: x (%d) is not a "
-               "uly_xchg", (int)x);
-    snprintf(what, sizeof what, "%s %s: %s", unpack ? "unpack" : "pack", names[x],
-             unpack ? "dst" : "src");
-    uly_tensor want = uly__to_head(x) != unpack ? uly__seq_layout(p, x, NULL)
-                                                : uly__head_layout(p, x, NULL);
-    ULY__TRY(uly__check_like(what, t, want));
-    ULY__CHECK((uintptr_t)t.data % p->elem_size == 0, ULY_EINVAL,
-               "%s: data (%p) is not aligned to its element size (%lld bytes)", what, t.data,
-               ULY__LL(p->elem_size));
-    ULY__CHECK(buf && (uintptr_t)buf % p->elem_size == 0, ULY_EINVAL,
-               "%s %s: %s (%p) is NULL or not aligned to the element size (%lld bytes)",
-               unpack ? "unpack" : "pack", names[x], unpack ? "recv" : "send", buf,
-               ULY__LL(p->elem_size));
+    ULY__TRY(uly__check_move(p, x, !unpack, t, buf));
     const uly__boxes b = uly__boxes_of(p, x, unpack, t, buf);
     return uly__by_dtype(t.dtype, [&](auto tag) {
         return uly__launch_boxes<decltype(tag)>(b, unpack, (cudaStream_t)stream);

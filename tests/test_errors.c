@@ -434,6 +434,24 @@ TEST(cpu_layout_rejects_a_plan_changed_after_init) {
     free(f);
 }
 
+/* f32 tensors and exchange buffers are read as floats: a pointer 2 bytes in is refused. */
+TEST(cpu_layout_rejects_pointers_off_the_element_size) {
+    fixture *f = (fixture *)malloc(sizeof *f);
+    fixture_init(f);
+    uly_layout cpu = uly_cpu_layout();
+    uly_tensor odd = f->tk;
+    odd.data = (char *)odd.data + 2;
+    check_status(cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, odd, f->ws, NULL), ULY_EINVAL,
+                 "is not aligned to its element size (4 bytes)", "a tensor 2 bytes in");
+    check_status(cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, f->tk, (char *)f->ws + 2, NULL),
+                 ULY_EINVAL, "is NULL or not aligned to the element size (4 bytes)",
+                 "a send buffer 2 bytes in");
+    check_status(cpu.unpack(cpu.ctx, &f->plan, ULY_X_O, (char *)f->ws + 2, f->to, NULL),
+                 ULY_EINVAL, "unpack O: recv", "a recv buffer 2 bytes in");
+    fixture_free(f);
+    free(f);
+}
+
 /* The layer calls the optional alltoall only where every block of every rank has one size:
    S = 8 over 2 ranks (4 tokens each), not S = 7 (4 and 3). */
 static int stub_alltoall_calls;
@@ -615,6 +633,8 @@ static const attn_bad attn_table[] = {
     {"q.ss = -1 (a negative stride, not uly_dense's overflow mark)", 0, ULY_EINVAL, ">= 0"},
     {"kv_group 2^62 over 2 kv heads: their query heads pass int64", 0, ULY_EINVAL, "kv_group"},
     {"lse 2 bytes into a float array", 0, ULY_EINVAL, "lse is NULL or not 4-byte aligned"},
+    {"backward: dv 2 bytes into a float array", 1, ULY_EINVAL,
+     "is not aligned to its element size (4 bytes)"},
 };
 
 static void break_args(uly_attn_args *a, int i) {
@@ -637,6 +657,7 @@ static void break_args(uly_attn_args *a, int i) {
     case 15: a->q.ss = -1; break;
     case 16: a->kv_group = (int64_t)1 << 62; break;
     case 17: a->lse = (float *)((char *)alse + 2); break;
+    case 18: a->dv.data = (char *)a->dv.data + 2; break;
     }
 }
 
