@@ -5,8 +5,9 @@
    projects its own tokens to q, k, v; one all-to-all per tensor turns "my tokens, all heads" into
    "all tokens, my heads"; each rank runs ordinary attention over the full sequence for its heads;
    one more all-to-all turns the output back into "my tokens, all heads". The backward is the same
-   exchanges in reverse. Per layer the all-to-alls move about 4*N*h/P elements per rank (N = B*S
-   tokens, h = H*D; with GQA the k and v exchanges are Hkv/H of that).
+   exchanges in reverse. Per layer the forward's all-to-alls move about 4*N*h/P elements per rank
+   (N = B*S tokens, h = H*D; with GQA the k and v exchanges are Hkv/H of that), and the
+   backward's as many again.
 
        rank r: q,k,v [B, S_r, H, D] --pack--> all-to-all --> [B, S, H_r, D] --attention--> o
                out   [B, S_r, H, D] <--unpack-- all-to-all <--pack-- o [B, S, H_r, D], lse [B, H_r, S]
@@ -362,8 +363,9 @@ ULYDEF uly_status uly_shard_labels(const uly_plan *p, const int32_t *full, int32
 /* Cross-entropy over n local tokens of vocabulary v: adds sum of -log softmax(logits)[label]
    and the count of labels != ignore_index. If dlogits is not NULL it gets the unscaled gradient
    softmax - onehot (0 for ignored tokens); scale it by uly_loss_reduce's grad_scale. A -inf
-   logit is a masked class (a label on one adds +inf); a token with a NaN or +inf logit adds
-   NaN, as it does in any framework: that is the model's failure to report, not this call's. */
+   logit is a masked class (a label on one adds +inf); a token with a NaN or +inf logit, or
+   with every logit -inf, adds NaN, as it does in any framework: that is the model's failure to
+   report, not this call's. */
 ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, int64_t n,
                                     int64_t v, int32_t ignore_index, double *loss_sum,
                                     int64_t *count, float *dlogits);
@@ -1182,27 +1184,27 @@ static uly_status uly__mpi_alltoallv(void *ctx, const void *send, const int64_t 
     uly_mpi *m = (uly_mpi *)ctx;
     int64_t chunk = m->chunk_bytes ? m->chunk_bytes : INT_MAX;
     int P, sn[ULY_MAX_SP], rn[ULY_MAX_SP], sd[ULY_MAX_SP], rd[ULY_MAX_SP];
-    MPI_Datatype st[ULY_MAX_SP], rt[ULY_MAX_SP];
-    uly_status s = uly__ok();
+    MPI_Datatype stype[ULY_MAX_SP], rtype[ULY_MAX_SP];
+    uly_status st = uly__ok();
     (void)stream;
     ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &P), "MPI_Comm_size"));
     ULY__CHECK(P <= ULY_MAX_SP, ULY_EINVAL, "alltoallv: the communicator has %d ranks, more than "
                "ULY_MAX_SP (%d): an SP group is at most that", P, ULY_MAX_SP);
     ULY__TRY(uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs));
-    for (int j = 0; j < P; j++) st[j] = rt[j] = MPI_BYTE;
-    for (int j = 0; j < P && !s.code; j++) {
-        s = uly__mpi_block(send_counts[j], send_offs[j], chunk, &st[j], &sn[j], &sd[j]);
-        if (!s.code)
-            s = uly__mpi_block(recv_counts[j], recv_offs[j], chunk, &rt[j], &rn[j], &rd[j]);
+    for (int j = 0; j < P; j++) stype[j] = rtype[j] = MPI_BYTE;
+    for (int j = 0; j < P && !st.code; j++) {
+        st = uly__mpi_block(send_counts[j], send_offs[j], chunk, &stype[j], &sn[j], &sd[j]);
+        if (!st.code)
+            st = uly__mpi_block(recv_counts[j], recv_offs[j], chunk, &rtype[j], &rn[j], &rd[j]);
     }
-    if (!s.code)
-        s = uly__mpi(MPI_Alltoallw(send, sn, sd, st, recv, rn, rd, rt, m->comm),
-                     "MPI_Alltoallw");
+    if (!st.code)
+        st = uly__mpi(MPI_Alltoallw(send, sn, sd, stype, recv, rn, rd, rtype, m->comm),
+                      "MPI_Alltoallw");
     for (int j = 0; j < P; j++) {
-        if (st[j] != MPI_BYTE) MPI_Type_free(&st[j]);
-        if (rt[j] != MPI_BYTE) MPI_Type_free(&rt[j]);
+        if (stype[j] != MPI_BYTE) MPI_Type_free(&stype[j]);
+        if (rtype[j] != MPI_BYTE) MPI_Type_free(&rtype[j]);
     }
-    if (s.code) return s;
+    if (st.code) return st;
     return uly__mpi_chunked(m->comm, P, chunk, (const char *)send, send_counts, send_offs,
                             (char *)recv, recv_counts, recv_offs);
 }

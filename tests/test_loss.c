@@ -129,7 +129,8 @@ TEST(cross_entropy_is_stable_for_large_logits) {
 }
 
 /* A -inf logit masks its class out of the softmax: the loss is that of the other classes, and
-   its gradient is 0. A -inf on the label makes the loss +inf; a +inf or NaN logit makes it NaN. */
+   its gradient is 0. A -inf on the label makes the loss +inf; a +inf or NaN logit, or every
+   logit -inf (a softmax of 0/0), makes it NaN, as in PyTorch. */
 TEST(minus_inf_logits_mask_classes_and_plus_inf_or_nan_give_nan) {
     enum { N = 3, V = 7 };
     float logits[N * V], dl[N * V];
@@ -157,6 +158,13 @@ TEST(minus_inf_logits_mask_classes_and_plus_inf_or_nan_give_nan) {
         CHECK(st.code == ULY_OK, "%s", st.msg);
         CHECK(i == 0 ? sum == INFINITY : isnan(sum), "label logit %g: loss %g", bad[i], sum);
     }
+    float none[V];
+    for (int i = 0; i < V; i++) none[i] = -INFINITY;
+    int32_t label = 3;
+    sum = 0;
+    st = uly_cross_entropy(none, &label, 1, V, IGNORE, &sum, &count, dl);
+    CHECK(st.code == ULY_OK && isnan(sum) && isnan(dl[0]) && isnan(dl[3]),
+          "every logit -inf: %s, loss %g, dlogits %g %g", st.msg, sum, dl[0], dl[3]);
 }
 
 TEST(dlogits_are_softmax_minus_onehot_and_zero_for_ignored_tokens) {
