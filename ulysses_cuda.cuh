@@ -11,7 +11,8 @@
    the attention queue work on the stream, and every call returns a uly_status.
 
    Like ulysses.h it is stb-style: declarations here, the implementation behind
-   ULYSSES_IMPLEMENTATION in exactly one .cu file, which also makes ulysses.h's:
+   ULYSSES_IMPLEMENTATION in exactly one .cu file (or, with ULYSSES_STATIC, a private copy in
+   each file that defines both), which also makes ulysses.h's:
 
        #include <nccl.h>
        #define ULYSSES_NCCL
@@ -400,6 +401,11 @@ static __device__ __forceinline__ void uly_cp_async_wait_all() {
 
 #if defined(ULYSSES_IMPLEMENTATION) && !defined(ULYSSES_CUDA_IMPLEMENTED)
 #define ULYSSES_CUDA_IMPLEMENTED
+#ifdef __GNUC__
+#pragma GCC diagnostic push
+/* Under ULYSSES_STATIC a program calls only some of the functions. */
+#pragma GCC diagnostic ignored "-Wunused-function"
+#endif
 
 /* Element conversions: values travel as T, sums happen in fp32 and round once. */
 static __device__ __forceinline__ float uly__widen(float x) { return x; }
@@ -1316,7 +1322,7 @@ __device__ __forceinline__ bool uly__fa_doc_ok(const int32_t *cu, int b, int bat
    stream: at the first bad document it says why and traps (a launch failure at the next sync,
    as a device-side assert), so they never run. A kernel of its own, so the flash kernels spend
    no registers on it. */
-__global__ void __launch_bounds__(256)
+static __global__ void __launch_bounds__(256)
     uly__fa_check_docs(const int32_t *cu_q, const int32_t *cu_k, int batch, int nq, int nk,
                        int max_q, int max_k) {
     __shared__ int bad;
@@ -2591,6 +2597,9 @@ ULYDEF uly_layer uly_cuda_layer(const uly_plan *plan, const uly_comm *comm, void
     return l;
 }
 
+#ifdef __GNUC__
+#pragma GCC diagnostic pop
+#endif
 #endif /* ULYSSES_IMPLEMENTATION && !ULYSSES_CUDA_IMPLEMENTED */
 
 /* ---------------------------------------------------------------------------------------------
