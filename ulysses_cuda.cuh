@@ -157,7 +157,7 @@ typedef struct uly_nccl {
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
 /* Splits world into SP groups of sp_size consecutive ranks and DP groups across them (a
    collective over world, which must have no NCCL work outstanding), waiting at most timeout_s
-   seconds (0: no limit) for a non-blocking world's splits. On failure *sp and *dp hold what
+   seconds (0: no limit) for a non-blocking world's init and its splits. On failure *sp and *dp hold what
    was made (NULL for the rest): the caller aborts them with world, since peers may still be
    inside the failed split, where a destroy here could wait for them forever. */
 ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s, ncclComm_t *sp,
@@ -1212,6 +1212,8 @@ ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s
     ULY__CHECK(world && sp && dp, ULY_EINVAL, "uly_nccl_split: %s is NULL",
                !world ? "world" : !sp ? "sp" : "dp");
     *sp = *dp = NULL;
+    /* A non-blocking world may still be joining its peers (ncclCommInitRankConfig). */
+    ULY__TRY(uly__nccl_ready(world, ncclInProgress, timeout_s, "uly_nccl_split"));
     ULY__TRY(uly__nccl(ncclCommCount(world, &size), world, "uly_nccl_split: ncclCommCount"));
     ULY__TRY(uly__nccl(ncclCommUserRank(world, &rank), world, "uly_nccl_split: ncclCommUserRank"));
     ULY__CHECK(sp_size >= 1 && size % sp_size == 0, ULY_EINVAL, "uly_nccl_split: sp_size (%d) must "

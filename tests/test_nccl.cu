@@ -26,7 +26,7 @@
      does not divide the world is ULY_EINVAL.
    - Non-blocking communicators: the layer, splits, allreduce_sum and barrier work when every
      call answers ncclInProgress (each waits until NCCL says the work is queued; calls given no
-     stream take uly_nccl.stream), and a call that stays in progress, as when a peer never
+     stream take uly_nccl.stream), a split takes a world still joining its peers, and a call that stays in progress, as when a peer never
      arrives, is ULY_ECOMM after uly_nccl.timeout_s.
    - An NCCL older than 2.28 at run time (the double reports 2.27, and in build/test_nccl_2_27
      has no ncclAlltoAll symbol either): no alltoall.
@@ -622,6 +622,43 @@ static void check_split(sp_runner run) {
 }
 
 TEST(split_gives_sp_groups_of_consecutive_ranks_and_dp_groups_across) { check_split(nccl_run); }
+
+/* A non-blocking world fresh from ncclCommInitRankConfig, still joining its peers, goes straight
+   to uly_nccl_split, as the header's USAGE has it: the split waits for the world before it
+   reads the world's size (the double aborts on a call to a communicator in progress). */
+typedef struct fresh_job {
+    ncclUniqueId id;
+    uly_status st[4];
+    int size[4], rank[4]; /* in the SP group */
+} fresh_job;
+
+static void fresh_split_rank(const uly_comm *local, void *user) {
+    fresh_job *j = (fresh_job *)user;
+    const int r = local->rank;
+    ncclComm_t world = NULL, sp = NULL, dp = NULL;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t init = ncclCommInitRankConfig(&world, local->size, j->id, r, &config);
+    j->st[r] = uly__nccl(init == ncclInProgress ? ncclSuccess : init, NULL, "init");
+    if (!j->st[r].code) j->st[r] = uly_nccl_split(world, 2, 0, &sp, &dp);
+    uly_nccl n = {sp, NULL, 0, NULL};
+    uly_comm c;
+    if (!j->st[r].code) j->st[r] = uly_nccl_comm(&n, &c);
+    if (!j->st[r].code) j->size[r] = c.size, j->rank[r] = c.rank;
+    ncclCommDestroy(sp), ncclCommDestroy(dp), ncclCommDestroy(world);
+}
+
+TEST(split_waits_for_a_nonblocking_world_still_joining_its_peers) {
+    fresh_job j;
+    memset(&j, 0, sizeof j);
+    ncclGetUniqueId(&j.id);
+    uly_status st = uly_local_run(4, fresh_split_rank, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 4; r++)
+        CHECK(!j.st[r].code && j.size[r] == 2 && j.rank[r] == r % 2,
+              "rank %d: '%s', SP rank %d of %d (want %d of 2)", r, j.st[r].msg, j.rank[r],
+              j.size[r], r % 2);
+}
 
 TEST(split_rejects_an_sp_size_that_does_not_divide_the_world) {
     split_job j;
