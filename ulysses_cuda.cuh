@@ -486,12 +486,12 @@ __device__ __forceinline__ uly__vec<T, W> uly__block_at(const uly__boxes &x, int
     return *(const uly__vec<T, W> *)((const T *)x.buf + x.off[m] + row * x.dim + e);
 }
 
-/* dst = the sum of the copies of head h held by boxes j..k-1, at (b, s), element e of the row:
-   fp32 in box order, one rounding. */
+/* The sum of the copies of head h held by boxes j..k-1, at (b, s), element e of the row: fp32
+   in box order, one rounding. */
 template <typename T, int W>
-__device__ __forceinline__ void uly__sum_copies(const uly__boxes &x, int j, int k, int64_t b,
-                                                int64_t s, int64_t h, int64_t e,
-                                                uly__vec<T, W> *dst) {
+__device__ __forceinline__ uly__vec<T, W> uly__sum_copies(const uly__boxes &x, int j, int k,
+                                                          int64_t b, int64_t s, int64_t h,
+                                                          int64_t e) {
     const int64_t bs = b * x.width + s; /* the boxes split heads and share the tokens */
     uly__vec<T, W> v = uly__block_at<T, W>(x, j, bs * x.count[j] + h - x.start[j], e);
     float acc[W];
@@ -504,7 +504,7 @@ __device__ __forceinline__ void uly__sum_copies(const uly__boxes &x, int j, int 
     }
 #pragma unroll
     for (int w = 0; w < W; w++) v.e[w] = uly__round<T>(acc[w]);
-    *dst = v;
+    return v;
 }
 
 /* A flat access index of a box as its digits: element e (in accesses) of row r of token s of
@@ -570,8 +570,8 @@ __global__ void __launch_bounds__(ULY__COPY_THREADS, MODE == ULY__UNPACK_SUM ? 4
         } else {
             int k = j + 1; /* the later boxes that hold this head too */
             while (k < x.n && x.start[k] <= h0 + h) k++;
-            if (k == j + 1) *tp = *bp;
-            else uly__sum_copies<T, W>(x, j, k, b, s, h0 + h, e, tp);
+            /* One store of either value: a store in each branch compiles to W narrow ones. */
+            *tp = k == j + 1 ? *bp : uly__sum_copies<T, W>(x, j, k, b, s, h0 + h, e);
         }
     }
 }
