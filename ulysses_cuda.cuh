@@ -106,10 +106,10 @@
 extern "C" {
 #endif
 
-/* Pack and unpack kernels, launched on the stream argument (a cudaStream_t). The tensor's
-   address must be a multiple of its element size. Accesses are 16 bytes where the address,
-   the strides and the rows (D * element size) are multiples of 16, else 8 or 4 bytes where
-   those are, else one element. ctx is unused. */
+/* Pack and unpack kernels, launched on the stream argument (a cudaStream_t). The tensor's and
+   the exchange buffer's addresses must be multiples of the element size. Accesses are 16 bytes
+   where both addresses, the strides and the rows (D * element size) are multiples of 16, else
+   8 or 4 bytes where those are, else one element. ctx is unused. */
 ULYDEF uly_layout uly_cuda_layout(void);
 
 /* Runs fn(comm, user) on `size` threads, one per virtual rank of an SP group on the calling
@@ -127,7 +127,8 @@ ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, 
 ULYDEF uly_attn uly_cuda_reference_attention(void);
 
 #ifdef ULYSSES_NCCL
-/* An NCCL communicator over `comm` (one SP group, one GPU per rank; NCCL 2.18 or newer).
+/* An NCCL communicator over `comm` (one SP group, one GPU per rank; NCCL 2.18 or newer); it
+   keeps a pointer to n, which must outlive it.
    NCCL moves GPU memory only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier
    go through `scratch`, ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL:
    they return ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most
@@ -136,7 +137,8 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
    device, which must be comm's: the legacy stream would also wait for every other blocking
    stream, another communicator's collectives among them, which can tie two communicators into
    a deadlock. Those waits mean barrier, allreduce_sum and uly_loss_reduce never go inside the
-   caller's ncclGroupStart/ncclGroupEnd, where NCCL queues nothing until ncclGroupEnd.
+   caller's ncclGroupStart/ncclGroupEnd, where NCCL queues nothing until ncclGroupEnd; nor do
+   uly_forward and uly_backward, whose kernels after an exchange would be queued before it.
    Failures return ULY_ECOMM with NCCL's message. After any failure (a call NCCL refused, a peer
    or the network gone) or a timeout the communicator is unusable and its peers may be stuck in
    the collective: every live rank must ncclCommAbort it (NCCL requires all of them to; it also
@@ -1047,10 +1049,10 @@ ULYDEF uly_attn uly_cuda_reference_attention(void) {
 #endif
 
 static uly_status uly__nccl(ncclResult_t r, ncclComm_t comm, const char *what) {
+    if (r == ncclSuccess) return uly__ok();
     const char *last = comm ? ncclGetLastError(comm) : "";
-    ULY__CHECK(r == ncclSuccess, ULY_ECOMM, "%s: %s%s%s", what, ncclGetErrorString(r),
-               last && last[0] ? ": " : "", last ? last : "");
-    return uly__ok();
+    return uly__err(ULY_ECOMM, "%s: %s%s%s", what, ncclGetErrorString(r),
+                    last && last[0] ? ": " : "", last ? last : "");
 }
 
 /* Seconds since t0. */
@@ -1847,7 +1849,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
                                   uly__fa_row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss, s.sq - m0);
         /* lse and Dsum by cp.async too, one row a thread (BM <= NT): a plain load would stall
            its warp for the whole memory latency before the next MMA. Rows past the end read
-           nothing; the query lambda below gives them lse = +inf. */
+           nothing; the row table below gives them lse = +inf. */
         const int r = (int)threadIdx.x;
         if (r < BM) {
             const bool ok = m0 + r < s.sq;
@@ -2163,8 +2165,8 @@ static uly_status uly__fa_fwd_run(const uly__fa_params &p, int batch, int64_t ma
                           uly__fa_fwd_smem<D>(), stream, p);
 }
 
-/* Pre-pass, then either the atomic dQ kernel and the post-pass, or (deterministic) the dK/dV
-   kernel and the dQ kernel. */
+/* Pre-pass, then either the dK/dV kernel that also adds dQ atomically and the post-pass, or
+   (deterministic) the dK/dV kernel and the dQ kernel. */
 template <typename T, int D>
 static uly_status uly__fa_bwd_run(const uly__fa_params &p, int batch, int64_t max_sq,
                                   int64_t max_sk, cudaStream_t stream) {
