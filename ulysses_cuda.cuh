@@ -1672,6 +1672,43 @@ __device__ __forceinline__ void uly__frag_scale(float (&acc)[MT][NT][4], float x
             for (int i = 0; i < 4; i++) acc[mt][nt][i] *= x;
 }
 
+/* The causal mask is bottom-right aligned: row i of a sequence of sq queries and sk keys keeps
+   keys j <= i + diag, diag = sk - sq. The helpers take plain values: given the parameter and
+   sequence structs instead, nvcc spilled registers in the D = 64 forward. */
+
+/* Key blocks of BN that query rows [m0, m0 + BM) see: all, or (causal) those up to the last
+   row's diagonal. */
+template <int BM, int BN>
+__device__ __forceinline__ int uly__fa_key_blocks(bool causal, int sk, int diag, int m0) {
+    const int n_end = causal ? min(sk, m0 + BM + diag) : sk;
+    return n_end > 0 ? (n_end + BN - 1) / BN : 0;
+}
+
+/* The logits of query rows from m0 and keys [n0, n0 + BN), of which this warp holds the block
+   at (r0, c0): keys past the sequence and (causal) past a row's diagonal become -inf. A block
+   that reaches neither is left as it is. */
+template <int BN, int MT, int NT>
+__device__ __forceinline__ void uly__fa_mask(float (&sc)[MT][NT][4], bool causal, int sk,
+                                             int diag, int m0, int n0, int r0, int c0) {
+    if (n0 + BN > sk || (causal && n0 + BN - 1 > m0 + diag))
+        uly__mask(sc, r0, c0, [=](int r, int c) { return c >= sk || (causal && c > r + diag); });
+}
+
+/* The block's output rows [m0, m0 + BM) of head h, from each warp's fragments (its rows from
+   wm): staged as T over the Q tile at smem once every warp is done with it, then stored as
+   whole rows. */
+template <typename T, int BM, int D, int NT, int MT>
+__device__ __forceinline__ void uly__fa_store_rows(const float (&acc)[MT][D / 8][4],
+                                                   const uly_tensor &t, const uly__fa_seq &s,
+                                                   int64_t h, int m0, int wm,
+                                                   unsigned char *smem) {
+    uly_cp_async_wait_all();
+    __syncthreads(); /* every warp is done with Q */
+    uly__frag_store<T, D>(smem, wm, 0, acc);
+    __syncthreads();
+    uly__tile_store<BM, D, NT>(uly__fa_row<T>(t, s.b, s.q0 + m0, h), t.ss, s.sq - m0, smem);
+}
+
 #define ULY__LOG2E 1.4426950408889634f
 
 /* ---------------------------------------------------------------------------------------------
@@ -1692,9 +1729,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
     ULY_DYN_SMEM(unsigned char, smem); /* Q [BM][D], K [BN][D], V [BN][D] */
     const uint32_t sQ = uly_smem_addr(smem), sK = sQ + BM * D * 2, sV = sK + BN * D * 2;
     const int wm = (int)(threadIdx.x / 32) * 16 * MT; /* this warp's first row */
-    const int diag = s.sk - s.sq;                      /* row i keeps keys j <= i + diag */
-    const int n_end = p.causal ? min(s.sk, m0 + BM + diag) : s.sk;
-    const int n_blocks = n_end > 0 ? (n_end + BN - 1) / BN : 0;
+    const int diag = s.sk - s.sq;
+    const int n_blocks = uly__fa_key_blocks<BM, BN>(p.causal, s.sk, diag, m0);
 
     uly__tile_load<BM, D, NT>(sQ, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
     if (n_blocks > 0) {
@@ -1716,9 +1752,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
         float sc[MT][BN / 8][4];
         uly__frag_zero(sc);
         uly__mma_ss<T, MT, BN / 8, D, D, false, D, false>(sc, sQ, wm, sK, 0);
-        if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
-            uly__mask(sc, m0 + wm, n0,
-                      [&](int r, int c) { return c >= s.sk || (p.causal && c > r + diag); });
+        uly__fa_mask<BN>(sc, p.causal, s.sk, diag, m0, n0, m0 + wm, n0);
         softmax.update(sc, o, p.scale_log2);
 
         uly_cp_async_wait_all();
@@ -1740,11 +1774,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
                 const int r = wm + 16 * mt + uly__frag_row(2 * hf);
                 if (m0 + r < s.sq) p.lse[uly__fa_lse_index(p, s, h, m0 + r)] = lse[mt][hf];
             }
-    uly_cp_async_wait_all();
-    __syncthreads(); /* every warp is done with Q: stage O there */
-    uly__frag_store<T, D>(smem, wm, 0, o);
-    __syncthreads();
-    uly__tile_store<BM, D, NT>(uly__fa_row<T>(p.o, s.b, s.q0 + m0, h), p.o.ss, s.sq - m0, smem);
+    uly__fa_store_rows<T, BM, D, NT>(o, p.o, s, h, m0, wm, smem);
 }
 
 /* Backward pre-pass: Dsum = rowsum(dout * out) in fp32, one warp per query row, and the row's
@@ -1890,9 +1920,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
         uly__frag_zero(dp);
         uly__mma_ss<T, 2, SN / 8, D, D, false, D, false, 4>(sc, sQ, sm, sK, sn);
         uly__mma_ss<T, 2, SN / 8, D, D, false, D, false, 4>(dp, sdO, sm, sV, sn);
-        if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
-            uly__mask(sc, m0 + sm, n0 + sn,
-                      [&](int m, int n) { return n >= s.sk || (p.causal && n > m + diag); });
+        uly__fa_mask<BN>(sc, p.causal, s.sk, diag, m0, n0, m0 + sm, n0 + sn);
         float2 row[2][2]; /* (lse * log2(e), Dsum) of this thread's rows; past the end P = 0 */
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
@@ -1961,8 +1989,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
     const uint32_t sV0 = sK0 + 2 * BN * D * 2;
     const int wm = (int)(threadIdx.x / 32) * 16 * MT;
     const int diag = s.sk - s.sq;
-    const int n_end = p.causal ? min(s.sk, m0 + BM + diag) : s.sk;
-    const int n_blocks = n_end > 0 ? (n_end + BN - 1) / BN : 0;
+    const int n_blocks = uly__fa_key_blocks<BM, BN>(p.causal, s.sk, diag, m0);
 
     float lse2[MT][2], dsum[MT][2]; /* of this thread's rows */
 #pragma unroll
@@ -2000,9 +2027,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
         uly__frag_zero(dp);
         uly__mma_ss<T, MT, BN / 8, D, D, false, D, false>(sc, sQ, wm, sK, 0);
         uly__mma_ss<T, MT, BN / 8, D, D, false, D, false>(dp, sdO, wm, sV, 0);
-        if (n0 + BN > s.sk || (p.causal && n0 + BN - 1 > m0 + diag))
-            uly__mask(sc, m0 + wm, n0,
-                      [&](int r, int c) { return c >= s.sk || (p.causal && c > r + diag); });
+        uly__fa_mask<BN>(sc, p.causal, s.sk, diag, m0, n0, m0 + wm, n0);
         uly__softmax_grad(sc, dp, p.scale_log2, [&](int mt, int, int i) {
             return make_float2(lse2[mt][i >> 1], dsum[mt][i >> 1]);
         });
@@ -2012,11 +2037,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
     }
 
     uly__frag_scale(dq, p.scale);
-    uly_cp_async_wait_all();
-    __syncthreads(); /* every warp is done with Q: stage dQ there */
-    uly__frag_store<T, D>(smem, wm, 0, dq);
-    __syncthreads();
-    uly__tile_store<BM, D, NT>(uly__fa_row<T>(p.dq, s.b, s.q0 + m0, h), p.dq.ss, s.sq - m0, smem);
+    uly__fa_store_rows<T, BM, D, NT>(dq, p.dq, s, h, m0, wm, smem);
 }
 
 /* ---------------------------------------------------------------------------------------------
