@@ -2359,14 +2359,15 @@ static uint32_t uly__lt_align(const uly__lt_mat *m, int64_t ld, int batch) {
 /* The search's best kernel for a product whose operands A, B and C = D (l, as cublasLtMatmul
    names them) are aligned to align[] bytes, with partial sums of a split K kept in fp32 (not in
    a 16-bit D, which would round O and dQ more than once). */
-static uly_status uly__lt_search(cublasLtHandle_t h, cublasLtMatmulDesc_t desc,
+static uly_status uly__lt_search(cublasLtHandle_t lt, cublasLtMatmulDesc_t desc,
                                  cublasLtMatrixLayout_t const (&l)[3], const uint32_t (&align)[3],
                                  cublasLtMatmulAlgo_t *algo) {
     cublasLtMatmulPreference_t pref = NULL;
     cublasLtMatmulHeuristicResult_t best;
     int found = 0;
     const uint64_t ws_bytes = ULY__LT_WS;
-    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    const uint32_t schemes =
+        CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     const struct {
         cublasLtMatmulPreferenceAttributes_t attr;
         const void *v;
@@ -2383,7 +2384,7 @@ static uly_status uly__lt_search(cublasLtHandle_t h, cublasLtMatmulDesc_t desc,
         st = uly__lt(cublasLtMatmulPreferenceSetAttribute(pref, set[i].attr, set[i].v, set[i].n),
                      "cublasLtMatmulPreferenceSetAttribute");
     if (!st.code)
-        st = uly__lt(cublasLtMatmulAlgoGetHeuristic(h, desc, l[0], l[1], l[2], l[2], pref, 1,
+        st = uly__lt(cublasLtMatmulAlgoGetHeuristic(lt, desc, l[0], l[1], l[2], l[2], pref, 1,
                                                     &best, &found),
                      "cublasLtMatmulAlgoGetHeuristic");
     if (!st.code && (found < 1 || best.state != CUBLAS_STATUS_SUCCESS))
@@ -2396,7 +2397,7 @@ static uly_status uly__lt_search(cublasLtHandle_t h, cublasLtMatmulDesc_t desc,
 
 /* D = alpha * op(A) op(B) + beta * D for `batch` row-major matrices (op transposes when t*).
    cuBLASLt is column-major, where a row-major X is X^T: so it computes D^T = op(B)^T op(A)^T. */
-static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__lt_mat b, int tb,
+static uly_status uly__lt_gemm(cublasLtHandle_t lt, uly__lt_mat a, int ta, uly__lt_mat b, int tb,
                                uly__lt_mat d, float alpha, float beta, int batch, void *ws,
                                cudaStream_t stream) {
     cublasLtMatmulDesc_t desc = NULL;
@@ -2404,7 +2405,8 @@ static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__l
     cublasLtMatmulAlgo_t algo;
     uint32_t align[3];
     const uly__lt_mat *m[3] = {&b, &a, &d};
-    const cublasOperation_t op[2] = {tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N};
+    const cublasOperation_t op[2] = {tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                     ta ? CUBLAS_OP_T : CUBLAS_OP_N};
     uly_status st = uly__lt(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
                             "cublasLtMatmulDescCreate");
     if (!st.code)
@@ -2429,9 +2431,9 @@ static uly_status uly__lt_gemm(cublasLtHandle_t h, uly__lt_mat a, int ta, uly__l
                              l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &m[i]->stride,
                              sizeof m[i]->stride), "STRIDED_BATCH_OFFSET");
     }
-    if (!st.code) st = uly__lt_search(h, desc, l, align, &algo);
+    if (!st.code) st = uly__lt_search(lt, desc, l, align, &algo);
     if (!st.code)
-        st = uly__lt(cublasLtMatmul(h, desc, &alpha, b.p, l[0], a.p, l[1], &beta, d.p, l[2],
+        st = uly__lt(cublasLtMatmul(lt, desc, &alpha, b.p, l[0], a.p, l[1], &beta, d.p, l[2],
                                     (void *)d.p, l[2], &algo, ws, ULY__LT_WS, stream),
                      "cublasLtMatmul");
     for (int i = 0; i < 3; i++)
@@ -2507,16 +2509,118 @@ static uly_status uly__lt_check(void *ctx, const uly_attn_args *a, int backward)
     return uly__ok();
 }
 
-/* Forward (backward = 0) or backward of every (batch, kv head): its group's query heads
-   [h0, h1) are one batched GEMM each (K and V have batch stride 0). */
+/* One batched product's work: batch b, kv head j and the local query heads [h0, h0 + n) that
+   read it (n >= 1). */
+struct uly__lt_job {
+    int64_t b, j, h0, n;
+};
+
+static cudaDataType_t uly__lt_type(uly_dtype t) { return t == ULY_BF16 ? CUDA_R_16BF : CUDA_R_16F; }
+
+/* Tensor t's [s, d] matrices at batch b from head h: one per head of a job, or the same one for
+   all of them (shared: K and V, which every query head of the job reads). */
 template <typename T>
-static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int backward) {
-    ULY__TRY(uly__lt_check(h, a, backward));
-    const cudaDataType_t dt = a->q.dtype == ULY_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    const int64_t B = a->q.b, H = a->q.h, Sq = a->q.s, Sk = a->k.s, D = a->q.d;
-    const int64_t g = uly__group(a), g0 = a->q_head0 / g, ld = uly__lt_ld(a);
-    const float scale = uly__scale(a);
+static uly__lt_mat uly__lt_heads(const uly_tensor &t, int64_t b, int64_t h, int shared) {
+    return {(const T *)t.data + b * t.sb + h * t.sh, uly__lt_type(t.dtype), t.s, t.d, t.ss,
+            shared ? 0 : t.sh};
+}
+
+/* A job's [Sq, Sk] score matrices of type t at x in the workspace, one per query head. */
+static uly__lt_mat uly__lt_scores(const uly_attn_args *a, const void *x, cudaDataType_t t) {
+    const int64_t ld = uly__lt_ld(a);
+    return {x, t, a->q.s, a->k.s, ld, a->q.s * ld};
+}
+
+/* S = Q K^T and P = softmax(scale * S) of a job's query heads into the workspace, and their
+   lse unless it is NULL. */
+template <typename T>
+static uly_status uly__lt_probs(cublasLtHandle_t lt, const uly_attn_args *a,
+                                const uly__lt_ws &w, uly__lt_job g, float *lse) {
+    const int rows = (int)(g.n * a->q.s);
     cudaStream_t stream = (cudaStream_t)a->stream;
+    ULY__TRY(uly__lt_gemm(lt, uly__lt_heads<T>(a->q, g.b, g.h0, 0), 0,
+                          uly__lt_heads<T>(a->k, g.b, g.j, 1), 1,
+                          uly__lt_scores(a, w.s, CUDA_R_32F), 1.f, 0.f, (int)g.n, w.lt, stream));
+    ULY_LAUNCH(uly__lt_softmax<T>, dim3(uly__fa_cdiv(rows, 4)), dim3(128), 0, stream, w.s,
+               (T *)w.p, lse, a->q.s, rows, (int)a->q.s, (int)a->k.s, uly__lt_ld(a),
+               uly__scale(a), a->causal);
+    return uly__cuda(cudaGetLastError(), "uly__lt_softmax");
+}
+
+/* The first of a job's rows in lse and Dsum ([B, H, Sq]). */
+static int64_t uly__lt_row0(const uly_attn_args *a, uly__lt_job g) {
+    return (g.b * a->q.h + g.h0) * a->q.s;
+}
+
+/* O = P V. */
+template <typename T>
+static uly_status uly__lt_fwd_job(cublasLtHandle_t lt, const uly_attn_args *a,
+                                  const uly__lt_ws &w, uly__lt_job g) {
+    ULY__TRY(uly__lt_probs<T>(lt, a, w, g, a->lse + uly__lt_row0(a, g)));
+    return uly__lt_gemm(lt, uly__lt_scores(a, w.p, uly__lt_type(a->q.dtype)), 0,
+                        uly__lt_heads<T>(a->v, g.b, g.j, 1), 0,
+                        uly__lt_heads<T>(a->o, g.b, g.h0, 0), 1.f, 0.f, (int)g.n, w.lt,
+                        (cudaStream_t)a->stream);
+}
+
+/* P again, dP = dO V^T, dS = P * (dP - Dsum), dQ = dS K; then dK and dV summed over the job's
+   query heads in order, in fp32, and stored once. */
+template <typename T>
+static uly_status uly__lt_bwd_job(cublasLtHandle_t lt, const uly_attn_args *a,
+                                  const uly__lt_ws &w, uly__lt_job g) {
+    const cudaDataType_t dt = uly__lt_type(a->q.dtype);
+    const int64_t Sq = a->q.s, Sk = a->k.s, D = a->q.d, ld = uly__lt_ld(a);
+    cudaStream_t stream = (cudaStream_t)a->stream;
+    const uly__lt_mat K = uly__lt_heads<T>(a->k, g.b, g.j, 1);
+    ULY__TRY(uly__lt_probs<T>(lt, a, w, g, NULL));
+    ULY__TRY(uly__lt_gemm(lt, uly__lt_heads<T>(a->dout, g.b, g.h0, 0), 0,
+                          uly__lt_heads<T>(a->v, g.b, g.j, 1), 1,
+                          uly__lt_scores(a, w.s, CUDA_R_32F), 1.f, 0.f, (int)g.n, w.lt, stream));
+    ULY_LAUNCH(uly__lt_softmax_grad<T>, dim3(uly__lt_blocks(g.n * Sq * Sk, 256)), dim3(256), 0,
+               stream, (const T *)w.p, w.s, w.dsum + uly__lt_row0(a, g), Sq, (T *)w.ds,
+               g.n * Sq * Sk, (int)Sq, (int)Sk, ld, uly__scale(a));
+    ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax_grad"));
+    ULY__TRY(uly__lt_gemm(lt, uly__lt_scores(a, w.ds, dt), 0, K, 0,
+                          uly__lt_heads<T>(a->dq, g.b, g.h0, 0), 1.f, 0.f, (int)g.n, w.lt,
+                          stream));
+    const uly__lt_mat dK = {w.dk, CUDA_R_32F, Sk, D, D, 0}, dV = {w.dv, CUDA_R_32F, Sk, D, D, 0};
+    for (int64_t i = 0; i < g.n; i++) {
+        const uly__lt_mat dSi = {(const T *)w.ds + i * Sq * ld, dt, Sq, Sk, ld, 0};
+        const uly__lt_mat Pi = {(const T *)w.p + i * Sq * ld, dt, Sq, Sk, ld, 0};
+        const float beta = i ? 1.f : 0.f;
+        ULY__TRY(uly__lt_gemm(lt, dSi, 1, uly__lt_heads<T>(a->q, g.b, g.h0 + i, 1), 0, dK, 1.f,
+                              beta, 1, w.lt, stream));
+        ULY__TRY(uly__lt_gemm(lt, Pi, 1, uly__lt_heads<T>(a->dout, g.b, g.h0 + i, 1), 0, dV,
+                              1.f, beta, 1, w.lt, stream));
+    }
+    T *dk = (T *)a->dk.data + g.b * a->dk.sb + g.j * a->dk.sh;
+    T *dv = (T *)a->dv.data + g.b * a->dv.sb + g.j * a->dv.sh;
+    ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
+               (const float *)w.dk, dk, a->dk.ss, Sk, D);
+    ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
+               (const float *)w.dv, dv, a->dv.ss, Sk, D);
+    return uly__cuda(cudaGetLastError(), "uly__lt_store");
+}
+
+/* dK and dV of kv head j in batch b as zeros: no query head of this slice reads it. */
+template <typename T>
+static uly_status uly__lt_zero_kv(const uly_attn_args *a, int64_t b, int64_t j) {
+    const size_t row = (size_t)a->q.d * sizeof(T), rows = (size_t)a->k.s;
+    cudaStream_t stream = (cudaStream_t)a->stream;
+    cudaError_t e = cudaMemset2DAsync((T *)a->dk.data + b * a->dk.sb + j * a->dk.sh,
+                                      (size_t)a->dk.ss * sizeof(T), 0, row, rows, stream);
+    if (!e)
+        e = cudaMemset2DAsync((T *)a->dv.data + b * a->dv.sb + j * a->dv.sh,
+                              (size_t)a->dv.ss * sizeof(T), 0, row, rows, stream);
+    return uly__cuda(e, "cudaMemset2DAsync");
+}
+
+/* Forward (backward = 0) or backward, one job for every (batch, kv head): its query heads are
+   one batched GEMM each (K and V have batch stride 0). */
+template <typename T>
+static uly_status uly__lt_run(cublasLtHandle_t lt, const uly_attn_args *a, int backward) {
+    ULY__TRY(uly__lt_check(lt, a, backward));
+    const int64_t B = a->q.b, H = a->q.h, Sq = a->q.s, g = uly__group(a), g0 = a->q_head0 / g;
     const uly__lt_ws w = uly__lt_carve(a);
     if (backward) { /* Dsum by the flash pre-pass */
         uly__fa_params p;
@@ -2525,69 +2629,17 @@ static uly_status uly__lt_run(cublasLtHandle_t h, const uly_attn_args *a, int ba
         p.sq = (int)Sq;
         ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre",
                                 dim3(uly__fa_cdiv(Sq, 4), (unsigned)H, (unsigned)B), 128, 0,
-                                stream, p));
+                                (cudaStream_t)a->stream, p));
     }
     for (int64_t b = 0; b < B; b++)
         for (int64_t j = 0; j < a->k.h; j++) {
             const int64_t h0 = max((int64_t)0, (j + g0) * g - a->q_head0);
-            const int64_t n = min(H, (j + g0 + 1) * g - a->q_head0) - h0;
-            const int rows = (int)(n * Sq);
-            T *dk = (T *)a->dk.data + b * a->dk.sb + j * a->dk.sh;
-            T *dv = (T *)a->dv.data + b * a->dv.sb + j * a->dv.sh;
-            if (n <= 0) { /* a kv head no query head of this slice reads: no output, no gradient */
-                if (!backward) continue;
-                cudaError_t e = cudaMemset2DAsync(dk, (size_t)a->dk.ss * sizeof(T), 0,
-                                                  (size_t)D * sizeof(T), (size_t)Sk, stream);
-                if (!e)
-                    e = cudaMemset2DAsync(dv, (size_t)a->dv.ss * sizeof(T), 0,
-                                          (size_t)D * sizeof(T), (size_t)Sk, stream);
-                ULY__TRY(uly__cuda(e, "cudaMemset2DAsync"));
-                continue;
-            }
-            const T *q = (const T *)a->q.data + b * a->q.sb + h0 * a->q.sh;
-            const T *k = (const T *)a->k.data + b * a->k.sb + j * a->k.sh;
-            const T *v = (const T *)a->v.data + b * a->v.sb + j * a->v.sh;
-            const int64_t lse0 = (b * H + h0) * Sq;
-            const uly__lt_mat Q = {q, dt, Sq, D, a->q.ss, a->q.sh}, K = {k, dt, Sk, D, a->k.ss, 0};
-            const uly__lt_mat V = {v, dt, Sk, D, a->v.ss, 0};
-            const uly__lt_mat S = {w.s, CUDA_R_32F, Sq, Sk, ld, Sq * ld};
-            const uly__lt_mat P = {w.p, dt, Sq, Sk, ld, Sq * ld};
-            ULY__TRY(uly__lt_gemm(h, Q, 0, K, 1, S, 1.f, 0.f, (int)n, w.lt, stream)); /* S = Q K^T */
-            ULY_LAUNCH(uly__lt_softmax<T>, dim3(uly__fa_cdiv(rows, 4)), dim3(128), 0, stream, w.s,
-                       (T *)w.p, backward ? NULL : a->lse + lse0, Sq, rows, (int)Sq,
-                       (int)Sk, ld, scale, a->causal);
-            ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax"));
-            if (!backward) { /* O = P V */
-                T *o = (T *)a->o.data + b * a->o.sb + h0 * a->o.sh;
-                const uly__lt_mat O = {o, dt, Sq, D, a->o.ss, a->o.sh};
-                ULY__TRY(uly__lt_gemm(h, P, 0, V, 0, O, 1.f, 0.f, (int)n, w.lt, stream));
-                continue;
-            }
-            const T *dout = (const T *)a->dout.data + b * a->dout.sb + h0 * a->dout.sh;
-            T *dq = (T *)a->dq.data + b * a->dq.sb + h0 * a->dq.sh;
-            const uly__lt_mat dO = {dout, dt, Sq, D, a->dout.ss, a->dout.sh};
-            const uly__lt_mat dQ = {dq, dt, Sq, D, a->dq.ss, a->dq.sh};
-            const uly__lt_mat dS = {w.ds, dt, Sq, Sk, ld, Sq * ld};
-            ULY__TRY(uly__lt_gemm(h, dO, 0, V, 1, S, 1.f, 0.f, (int)n, w.lt, stream)); /* dP */
-            ULY_LAUNCH(uly__lt_softmax_grad<T>, dim3(uly__lt_blocks(rows * Sk, 256)), dim3(256), 0,
-                       stream, (const T *)w.p, w.s, w.dsum + lse0, Sq, (T *)w.ds, rows * Sk,
-                       (int)Sq, (int)Sk, ld, scale);
-            ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax_grad"));
-            ULY__TRY(uly__lt_gemm(h, dS, 0, K, 0, dQ, 1.f, 0.f, (int)n, w.lt, stream)); /* dQ */
-            const uly__lt_mat dK = {w.dk, CUDA_R_32F, Sk, D, D, 0}, dV = {w.dv, CUDA_R_32F, Sk, D, D, 0};
-            for (int64_t i = 0; i < n; i++) { /* dK, dV summed over the group, in order */
-                const uly__lt_mat dSi = {(const T *)w.ds + i * Sq * ld, dt, Sq, Sk, ld, 0};
-                const uly__lt_mat Pi = {(const T *)w.p + i * Sq * ld, dt, Sq, Sk, ld, 0};
-                const uly__lt_mat Qi = {q + i * a->q.sh, dt, Sq, D, a->q.ss, 0};
-                const uly__lt_mat dOi = {dout + i * a->dout.sh, dt, Sq, D, a->dout.ss, 0};
-                ULY__TRY(uly__lt_gemm(h, dSi, 1, Qi, 0, dK, 1.f, i ? 1.f : 0.f, 1, w.lt, stream));
-                ULY__TRY(uly__lt_gemm(h, Pi, 1, dOi, 0, dV, 1.f, i ? 1.f : 0.f, 1, w.lt, stream));
-            }
-            ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
-                       (const float *)w.dk, dk, a->dk.ss, Sk, D);
-            ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
-                       (const float *)w.dv, dv, a->dv.ss, Sk, D);
-            ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_store"));
+            const uly__lt_job job = {b, j, h0, min(H, (j + g0 + 1) * g - a->q_head0) - h0};
+            if (job.n > 0)
+                ULY__TRY(backward ? uly__lt_bwd_job<T>(lt, a, w, job)
+                                  : uly__lt_fwd_job<T>(lt, a, w, job));
+            else if (backward)
+                ULY__TRY(uly__lt_zero_kv<T>(a, b, j));
         }
     return uly__ok();
 }
