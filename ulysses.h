@@ -9,8 +9,8 @@
    (N = B*S tokens, h = H*D; with GQA the k and v exchanges are Hkv/H of that), and the
    backward's as many again.
 
-       rank r: q,k,v [B, S_r, H, D] --pack--> all-to-all --> [B, S, H_r, D] --attention--> o
-               out   [B, S_r, H, D] <--unpack-- all-to-all <--pack-- o [B, S, H_r, D], lse [B, H_r, S]
+     rank r: q,k,v [B, S_r, H, D] --pack--> all-to-all --> [B, S, H_r, D] --attention--> o
+             out   [B, S_r, H, D] <--unpack-- all-to-all <--pack-- o [B, S, H_r, D], lse [B, H_r, S]
 
    This file is the whole CPU side, stb-style: declarations below, and the implementation after
    them behind ULYSSES_IMPLEMENTATION. Do this in exactly one C or C++ file:

@@ -69,7 +69,8 @@
        sm_89 do not: there it is ULY_EUNSUPPORTED) are built from a few tile primitives, so each
        reads like its algorithm:
            uly__tile_load / uly__tile_store    global <-> swizzled shared tile (cp.async, 16 B)
-           uly__mma_ss / uly__mma_rs           a warp's C += A * B, A from shared memory or registers
+           uly__mma_ss / uly__mma_rs           a warp's C += A * B, A from shared memory or
+                                               registers
            uly__online_softmax                 FlashAttention's running max and sum, exp2 domain
            uly__softmax_grad                   P = exp(s - lse), dS = P * (dP - Dsum)
        Forward: a block owns BM query rows and streams the key blocks (last first, so only the
@@ -159,9 +160,9 @@ typedef struct uly_nccl {
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
 /* Splits world into SP groups of sp_size consecutive ranks and DP groups across them (a
    collective over world, which must have no NCCL work outstanding), waiting at most timeout_s
-   seconds (0: no limit) for a non-blocking world's init and its splits. On failure *sp and *dp hold what
-   was made (NULL for the rest): the caller aborts them with world, since peers may still be
-   inside the failed split, where a destroy here could wait for them forever. */
+   seconds (0: no limit) for a non-blocking world's init and its splits. On failure *sp and *dp
+   hold what was made (NULL for the rest): the caller aborts them with world, since peers may
+   still be inside the failed split, where a destroy here could wait for them forever. */
 ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s, ncclComm_t *sp,
                                  ncclComm_t *dp);
 /* Waits until the work queued on stream is done, polling NCCL for an asynchronous error (a
@@ -1135,9 +1136,8 @@ static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, in
 #endif
 
 static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStream_t s) {
-    ULY__TRY(uly__nccl_ready(n->comm,
-                             ncclAllReduce(dev, dev, (size_t)count, ncclFloat64, ncclSum, n->comm, s),
-                             n->timeout_s, "allreduce_sum: ncclAllReduce"));
+    const ncclResult_t r = ncclAllReduce(dev, dev, (size_t)count, ncclFloat64, ncclSum, n->comm, s);
+    ULY__TRY(uly__nccl_ready(n->comm, r, n->timeout_s, "allreduce_sum: ncclAllReduce"));
     return uly__nccl_async(n->comm, "allreduce_sum");
 }
 
@@ -1444,8 +1444,12 @@ template <typename T> __device__ __forceinline__ float2 uly__unpack2(uint32_t u)
 
 /* The mma.sync m16n8k16 fragments of a warp (lane = 4 * g + t): C element i of an m16n8 tile is
    row g + 8 * (i / 2), column 2 * t + i % 2. acc[MT][NT][4] is a warp's 16*MT x 8*NT block. */
-__device__ __forceinline__ int uly__frag_row(int i) { return (int)(uly_lane_id() >> 2) + 8 * (i >> 1); }
-__device__ __forceinline__ int uly__frag_col(int i) { return 2 * (int)(uly_lane_id() & 3) + (i & 1); }
+__device__ __forceinline__ int uly__frag_row(int i) {
+    return (int)(uly_lane_id() >> 2) + 8 * (i >> 1);
+}
+__device__ __forceinline__ int uly__frag_col(int i) {
+    return 2 * (int)(uly_lane_id() & 3) + (i & 1);
+}
 
 /* Writes the warp's fragments as T to the W-wide tile at s, the block at rows r0, columns c0. */
 template <typename T, int W, int MT, int NT>
@@ -1492,8 +1496,8 @@ __device__ __forceinline__ void uly__frag_b(uint32_t f[4], uint32_t s, int n0, i
    the WB-wide tile sb. U k-steps are unrolled (all by default); fewer keep fewer fragment
    addresses live, where a kernel's accumulators leave little room. */
 template <typename T, int MT, int NT, int K, int WA, bool A_T, int WB, bool B_T, int U = K / 16>
-__device__ __forceinline__ void uly__mma_ss(float (&acc)[MT][NT][4], uint32_t sa, int m0, uint32_t sb,
-                                            int n0) {
+__device__ __forceinline__ void uly__mma_ss(float (&acc)[MT][NT][4], uint32_t sa, int m0,
+                                            uint32_t sb, int n0) {
     static_assert(NT % 2 == 0 && K % 16 == 0, "whole ldmatrix.x4 blocks");
 #pragma unroll (U)
     for (int k = 0; k < K; k += 16) {
@@ -1599,7 +1603,8 @@ template <int MT> struct uly__online_softmax {
     /* s (a key block's logits, masked ones -inf) becomes P = exp(scale * (s - m)); o, the output
        so far, is rescaled by exp(scale * (m_old - m_new)). */
     template <int NS, int NO>
-    __device__ __forceinline__ void update(float (&s)[MT][NS][4], float (&o)[MT][NO][4], float scale_log2) {
+    __device__ __forceinline__ void update(float (&s)[MT][NS][4], float (&o)[MT][NO][4],
+                                           float scale_log2) {
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1623,13 +1628,15 @@ template <int MT> struct uly__online_softmax {
                     }
                 l[mt][h] = l[mt][h] * corr + sum;
 #pragma unroll
-                for (int nt = 0; nt < NO; nt++) o[mt][nt][2 * h] *= corr, o[mt][nt][2 * h + 1] *= corr;
+                for (int nt = 0; nt < NO; nt++)
+                    o[mt][nt][2 * h] *= corr, o[mt][nt][2 * h + 1] *= corr;
             }
     }
 
     /* o /= l; lse = scale * m + log(l), or o = 0 and lse = +inf for a row with no key. */
     template <int NO>
-    __device__ __forceinline__ void finish(float (&o)[MT][NO][4], float scale, float (&lse)[MT][2]) {
+    __device__ __forceinline__ void finish(float (&o)[MT][NO][4], float scale,
+                                           float (&lse)[MT][2]) {
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1638,7 +1645,8 @@ template <int MT> struct uly__online_softmax {
                 const float inv = l_row > 0.f ? 1.f / l_row : 0.f;
                 lse[mt][h] = l_row > 0.f ? m[mt][h] * scale + logf(l_row) : INFINITY;
 #pragma unroll
-                for (int nt = 0; nt < NO; nt++) o[mt][nt][2 * h] *= inv, o[mt][nt][2 * h + 1] *= inv;
+                for (int nt = 0; nt < NO; nt++)
+                    o[mt][nt][2 * h] *= inv, o[mt][nt][2 * h + 1] *= inv;
             }
     }
 };
@@ -1844,7 +1852,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     using C = typename uly__fa_traits<D>::bwd;
     constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32;
     constexpr int SW = BM / 32, SN = BN * SW / C::WARPS; /* S, dP: SW warps along m, SN keys each */
-    constexpr int KW = BN / 32, KN = D * KW / C::WARPS;  /* dK, dV: KW warps along n, KN dims each */
+    constexpr int KW = BN / 32, KN = D * KW / C::WARPS;  /* dK, dV: KW warps along n, KN dims */
     constexpr int QW = BM / 32, QN = D * QW / C::WARPS;  /* dQ: QW warps along m, QN dims each */
     static_assert(SN % 16 == 0 && KN % 16 == 0 && QN % 16 == 0, "whole ldmatrix.x4 blocks");
     static_assert(BM <= NT, "a thread loads at most one query row's lse and Dsum");
