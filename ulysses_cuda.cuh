@@ -698,10 +698,16 @@ ULYDEF uly_layout uly_cuda_layout(void) {
    The events belong to the world and outlive every rank: a slow rank may still wait on the
    events of a peer that has already returned. */
 
-/* Since CUDA 11 plain host memory is an answer (cudaMemoryTypeUnregistered), not an error. */
-static uly_status uly__on_device(const void *p, int *device) {
+/* allreduce_sum's buffer: n >= 0 doubles at buf, NULL only when n is 0. *device becomes
+   whether it is GPU memory (left as it is for n = 0); since CUDA 11 plain host memory is an
+   answer (cudaMemoryTypeUnregistered), not an error. */
+static uly_status uly__sum_buffer(const double *buf, int64_t n, int *device) {
+    ULY__CHECK(n >= 0 && (buf || !n), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 and buf "
+               "not NULL", ULY__LL(n));
     cudaPointerAttributes a;
-    ULY__TRY(uly__cuda(cudaPointerGetAttributes(&a, p), "allreduce_sum: cudaPointerGetAttributes"));
+    if (!n) return uly__ok();
+    ULY__TRY(uly__cuda(cudaPointerGetAttributes(&a, buf), "allreduce_sum: "
+                       "cudaPointerGetAttributes"));
     *device = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
     return uly__ok();
 }
@@ -787,10 +793,8 @@ static uly_status uly__dl_allreduce(void *ctx, double *buf, int64_t n, void *str
     uly__dl_rank *me = (uly__dl_rank *)ctx;
     cudaStream_t s = stream ? (cudaStream_t)stream : cudaStreamPerThread;
     double tmp[64];
-    ULY__CHECK(n >= 0 && (buf || !n), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 and buf "
-               "not NULL", ULY__LL(n));
     int device = 0;
-    if (n) ULY__TRY(uly__on_device(buf, &device));
+    ULY__TRY(uly__sum_buffer(buf, n, &device));
     if (!device) {
         ULY__TRY(uly__cuda(cudaStreamSynchronize(s), "device-local allreduce_sum"));
         return me->host->allreduce_sum(me->host->ctx, buf, n, NULL);
@@ -1150,10 +1154,8 @@ static void *uly__nccl_stream(const uly_nccl *n) {
 static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, void *stream) {
     uly_nccl *n = (uly_nccl *)ctx;
     cudaStream_t s = (cudaStream_t)(stream ? stream : uly__nccl_stream(n));
-    ULY__CHECK(count >= 0 && (buf || !count), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 "
-               "and buf not NULL", ULY__LL(count));
     int device = 0;
-    if (count) ULY__TRY(uly__on_device(buf, &device));
+    ULY__TRY(uly__sum_buffer(buf, count, &device));
     if (!count || device) return uly__nccl_sum(n, buf, count, s);
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "allreduce_sum of host memory: uly_nccl.scratch is "
                "NULL (it needs %d doubles of device memory)", (int)ULY_NCCL_SCRATCH);
