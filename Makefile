@@ -288,24 +288,26 @@ $(BUILD)/test_nccl_sendrecv: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS
 	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -DULY_NCCL_ALLTOALL=0 -x c++ $< -x none \
 	    $(filter %.o,$^) -o $@ $(LDLIBS)
 
-# The flash layer in each dQ mode once (bf16 atomic, f16 deterministic): the other two differ
-# from these in the element type only; the split-group sums repeat the bf16 layer's kernels, and
-# packed documents the layer's calls with test_flash's varlen kernels (ASan runs both).
 # Two private copies of ulysses_cuda.cuh's implementation (ULYSSES_STATIC) in one program, under
 # the emulator and with nvcc (-Werror: a copy calls only some of the functions).
 CUDA_STATIC_SRC = tests/test_static_cuda_a.cu tests/test_static_cuda_b.cu
 $(BUILD)/test_static_cuda: $(CUDA_STATIC_SRC) $(EMU_HDRS) $(EMU_OBJ)
 	$(CXX) $(EMU_CXXFLAGS) -x c++ $(CUDA_STATIC_SRC) -x none $(EMU_OBJ) -o $@ $(LDLIBS)
 $(BUILD)/asan/test_static_cuda: $(CUDA_STATIC_SRC) $(EMU_HDRS) $(EMU_ASAN_OBJ)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $(CUDA_STATIC_SRC) -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $(CUDA_STATIC_SRC) -x none $(EMU_ASAN_OBJ) -o $@ \
+	    $(LDLIBS)
 $(BUILD)/gpu/test_static_cuda: $(CUDA_STATIC_SRC) $(EMU_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $(CUDA_STATIC_SRC) -o $@
 TESTS     += $(BUILD)/test_static_cuda $(BUILD)/asan/test_static_cuda
-TEST_BINS += $(BUILD)/test_static_cuda $(BUILD)/asan/test_static_cuda $(if $(HAVE_NVCC),$(BUILD)/gpu/test_static_cuda)
+TEST_BINS += $(BUILD)/test_static_cuda $(BUILD)/asan/test_static_cuda
+TEST_BINS += $(if $(HAVE_NVCC),$(BUILD)/gpu/test_static_cuda)
 GPU_TESTS += $(BUILD)/gpu/test_static_cuda
 GPU_BINS  += $(BUILD)/gpu/test_static_cuda
 
+# The flash layer in each dQ mode once (bf16 atomic, f16 deterministic): the other two differ
+# from these in the element type only; the split-group sums repeat the bf16 layer's kernels, and
+# packed documents the layer's calls with test_flash's varlen kernels (ASan runs both).
 ASAN_SKIP_test_cuda_layer = -flash_layer_f16,-flash_layer_deterministic_bf16,-split_group
 ASAN_SKIP_test_cuda_layer := $(ASAN_SKIP_test_cuda_layer),-attends_within_packed
 TESTS     += $(CUDA_TESTS:%=$(BUILD)/%) $(foreach t,$(CUDA_TESTS),$(call ASAN_RUN,$(t)))
