@@ -26,8 +26,9 @@
      does not divide the world is ULY_EINVAL.
    - Non-blocking communicators: the layer, splits, allreduce_sum and barrier work when every
      call answers ncclInProgress (each waits until NCCL says the work is queued; calls given no
-     stream take uly_nccl.stream), a split takes a world still joining its peers, and a call that stays in progress, as when a peer never
-     arrives, is ULY_ECOMM after uly_nccl.timeout_s.
+     stream take uly_nccl.stream), a split takes a world still joining its peers, and a call
+     that stays in progress, as when a peer never arrives, is ULY_ECOMM after
+     uly_nccl.timeout_s.
    - An NCCL older than 2.28 at run time (the double reports 2.27, and in build/test_nccl_2_27
      has no ncclAlltoAll symbol either): no alltoall.
    - Errors: a failing ncclSend, ncclAlltoAll or ncclAllReduce is ULY_ECOMM quoting NCCL's error

@@ -12,7 +12,7 @@
 
 uly_layout static_b_layout(void); /* test_static_cuda_b.cu's uly_cuda_layout(), its own copy */
 
-/* Packs a [1, 4, 2, 8] bf16 tensor numbered 0, 1, ... for a plan of one rank with layout l, and
+/* Packs a [1, 4, 2, 8] bf16 tensor numbered 1, 2, ... for a plan of one rank with layout l, and
    says whether the exchange buffer holds the tensor's bytes. */
 static int packs_a_copy(uly_layout l) {
     enum { N = 4 * 2 * 8 };
