@@ -535,12 +535,14 @@ else
 endif
 
 bench: $(BENCH_BINS)
-	@for b in $(BENCHES); do case $$b in skip:*) echo "skip $${b#skip:}";; *) sh -c "$$b";; esac; done
+	@rc=0; for b in $(BENCHES); do \
+	    case $$b in skip:*) echo "skip $${b#skip:}";; *) sh -c "$$b" || rc=1;; esac; \
+	done; exit $$rc
 
 # Only the benchmarks' own programs: a test that fails to build stops no benchmark.
 bench-gpu: $(if $(HAVE_GPU),$(GPU_BENCH_BINS))
 ifeq ($(HAVE_GPU),1)
-	@for b in $(GPU_BENCHES); do sh -c "$$b"; done
+	@rc=0; for b in $(GPU_BENCHES); do sh -c "$$b" || rc=1; done; exit $$rc
 else
 	@echo "bench-gpu: no GPU here (nvidia-smi lists none); nothing run"
 endif

@@ -18,6 +18,7 @@
 
 #include "bench_cuda.h"
 
+#include <math.h>
 #include <string.h>
 
 static void kernel_info(const char *name, const void *fn, size_t dyn_smem) {
@@ -43,6 +44,68 @@ template <int D> static void kernel_table(void) {
     kernel_info(name, (const void *)uly__flash_bwd_kv<T, D, false>, uly__fa_bwd_kv_smem<D>());
     snprintf(name, sizeof name, "bwd dQ (determ.) D=%d", D);
     kernel_info(name, (const void *)uly__flash_bwd_q<T, D>, uly__fa_bwd_q_smem<D>());
+}
+
+/* Batch b of t on the host, as floats. */
+static std::vector<float> host_batch(const uly_tensor &t, int64_t b) {
+    std::vector<__nv_bfloat16> x((size_t)t.sb);
+    CUDA_OK(cudaMemcpy(x.data(), (const __nv_bfloat16 *)t.data + b * t.sb, x.size() * 2,
+                       cudaMemcpyDeviceToHost));
+    std::vector<float> f(x.size());
+    for (size_t i = 0; i < x.size(); i++) f[i] = __bfloat162float(x[i]);
+    return f;
+}
+
+/* Query rows 0 and S - 1 of the last batch and head: o against a softmax computed here in
+   double from the same bf16 inputs; the larger |o - ref| / |ref| of the two rows. */
+static double rows_error(const uly_attn_args &a) {
+    const int64_t S = a.q.s, D = a.q.d, b = a.q.b - 1, h = a.q.h - 1;
+    const std::vector<float> q = host_batch(a.q, b), k = host_batch(a.k, b);
+    const std::vector<float> v = host_batch(a.v, b), o = host_batch(a.o, b);
+    double worst = 0;
+    for (int64_t i : {(int64_t)0, S - 1}) {
+        const int64_t keys = a.causal ? i + 1 : S;
+        std::vector<double> w((size_t)keys), ref((size_t)D, 0.0);
+        double top = -INFINITY, sum = 0, err = 0, norm = 0;
+        for (int64_t j = 0; j < keys; j++) {
+            double x = 0;
+            for (int64_t d = 0; d < D; d++)
+                x += (double)q[i * a.q.ss + h * a.q.sh + d] * k[j * a.k.ss + h * a.k.sh + d];
+            w[j] = x / sqrt((double)D), top = std::max(top, w[j]);
+        }
+        for (int64_t j = 0; j < keys; j++) {
+            const double p = exp(w[j] - top);
+            sum += p;
+            for (int64_t d = 0; d < D; d++) ref[d] += p * v[j * a.v.ss + h * a.v.sh + d];
+        }
+        for (int64_t d = 0; d < D; d++) {
+            const double r = ref[d] / sum, e = o[i * a.o.ss + h * a.o.sh + d] - r;
+            err += e * e, norm += r * r;
+        }
+        worst = std::max(worst, sqrt(err / norm));
+    }
+    return worst;
+}
+
+/* What one point's first forward and backward wrote, outside the timed runs: every element of
+   o, dq, dk and dv (poisoned with NaN before them) finite, and o's first and last query rows of
+   the last batch and head within 2e-2 of a double softmax (bf16 inputs, P and output: about
+   5e-3). A kernel that skipped part of a grid this large would otherwise time as faster. */
+static void check_point(const uly_attn_args &a) {
+    unsigned *bad, n_bad = 0;
+    CUDA_OK(cudaMalloc((void **)&bad, sizeof *bad));
+    CUDA_OK(cudaMemset(bad, 0, sizeof *bad));
+    for (const uly_tensor *t : {&a.o, &a.dq, &a.dk, &a.dv})
+        ULY_LAUNCH(bench_count_nonfinite, dim3(1024), dim3(256), 0, 0,
+                   (const __nv_bfloat16 *)t->data, t->b * t->s * t->h * t->d, bad);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaMemcpy(&n_bad, bad, sizeof n_bad, cudaMemcpyDeviceToHost));
+    cudaFree(bad);
+    const double err = rows_error(a);
+    if (n_bad || !(err <= 2e-2)) {
+        fprintf(stderr, "check: %u outputs not finite, o's rows off by %.2g\n", n_bad, err);
+        exit(1);
+    }
 }
 
 int main(int argc, char **argv) {
@@ -81,11 +144,14 @@ int main(int argc, char **argv) {
                 const uly_attn fa = uly_flash_attention();
                 a.workspace_bytes = fa.workspace(fa.ctx, &a);
                 CUDA_OK(cudaMalloc(&a.workspace, (size_t)a.workspace_bytes));
+                for (int i : {3, 5, 6, 7}) CUDA_OK(cudaMemset(buf[i], 0xff, (size_t)n * 2));
                 bench_ok(fa.fwd(fa.ctx, &a), "forward");
                 bench_ok(fa.bwd(fa.ctx, &a), "backward");
-                const double fwd = bench_median_ms(0, 2, 10, [&] { fa.fwd(fa.ctx, &a); });
-                const double bwd = bench_median_ms(0, 2, 10, [&] { fa.bwd(fa.ctx, &a); });
-                CUDA_OK(cudaGetLastError());
+                check_point(a);
+                const double fwd =
+                    bench_median_ms(0, 2, 10, [&] { bench_ok(fa.fwd(fa.ctx, &a), "forward"); });
+                const double bwd =
+                    bench_median_ms(0, 2, 10, [&] { bench_ok(fa.bwd(fa.ctx, &a), "backward"); });
                 const double flops = 4.0 * B * S * S * H * D / (causal ? 2 : 1);
                 printf("ulysses,%lld,%d,%lld,%lld,%lld,%.3f,%.3f,%.1f,%.1f\n", (long long)D, causal,
                        (long long)S, (long long)B, (long long)H, fwd, bwd, flops / fwd * 1e-9,

@@ -35,11 +35,22 @@ __global__ void bench_fill(__nv_bfloat16 *x, int64_t n, uint32_t seed) {
     }
 }
 
+/* Adds to *bad the count of x's elements that are not finite: outputs poisoned with 0xff bytes
+   (bf16 NaN) before a call and not written by it count too. */
+__global__ void bench_count_nonfinite(const __nv_bfloat16 *x, int64_t n, unsigned *bad) {
+    unsigned c = 0;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        c += !isfinite(__bfloat162float(x[i]));
+    if (c) atomicAdd(bad, c);
+}
+
 /* n random bf16 values in new device memory, filled on stream s. */
 static inline __nv_bfloat16 *bench_random(int64_t n, uint32_t seed, cudaStream_t s) {
     __nv_bfloat16 *x;
     CUDA_OK(cudaMalloc((void **)&x, (size_t)n * 2));
     ULY_LAUNCH(bench_fill, dim3(1024), dim3(256), 0, s, x, n, seed);
+    CUDA_OK(cudaGetLastError());
     return x;
 }
 
