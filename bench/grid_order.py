@@ -2,8 +2,8 @@
 """Models what the flash grids' block order is worth under a causal mask (no GPU needed).
 
 Blocks start in linear index order and each takes the next free slot (2 per SM for the forward,
-132 SMs: 264 slots on an H100; 1 per SM for the dK/dV kernel, bench/RESULTS.md's table). A block's time is its
-number of key (or query) tiles plus one for its prologue and epilogue. The grid (blocks, heads,
+132 SMs: 264 slots on an H100; 1 per SM for the dK/dV kernel, bench/RESULTS.md's table). A
+block's time is its number of key (or query) tiles plus one for its prologue and epilogue. The grid (blocks, heads,
 batch) starts the blocks of one head after another; (heads, batch, blocks) starts position by
 position across every head, longest first. Prints each order's time as a fraction of the ideal
 (total work / slots) for bench_attn's shapes: B * S = 16K tokens, H * D = 2048.
@@ -46,7 +46,8 @@ def main():
                 head = [t + 1 for t in tiles for _ in range(g)]
                 ideal = g * sum(tiles) / 132
                 a, b = makespan(group, 132), makespan(head, 132)
-                print(f"{g:3d} {s:6d} {causal:7d}  {ideal / a:15.3f}  {ideal / b:14.3f}  {a / b:7.2f}")
+                print(f"{g:3d} {s:6d} {causal:7d}  {ideal / a:15.3f}  {ideal / b:14.3f}"
+                      f"  {a / b:7.2f}")
 
 
 if __name__ == "__main__":

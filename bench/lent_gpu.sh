@@ -58,7 +58,8 @@ ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/
 } > "$stage/machine.txt" 2>&1
 # The SM clock, power, temperature and throttle reasons every 0.5 s through the run.
 reasons=clocks_event_reasons.active
-nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 ||
+    reasons=clocks_throttle_reasons.active
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,$reasons \
     --format=csv -lms 500 > "$stage/clocks.csv" 2>&1 &
 smi=$!

@@ -8,7 +8,8 @@ import sys
 
 def load(path):
     with open(path) as f:
-        return {(r["impl"], int(r["d"]), int(r["causal"]), int(r["seq"])): r for r in csv.DictReader(f)}
+        return {(r["impl"], int(r["d"]), int(r["causal"]), int(r["seq"])): r
+                for r in csv.DictReader(f)}
 
 
 def cells(ours, ref, pas):
