@@ -56,10 +56,13 @@ static void fill(__nv_bfloat16 *x, int64_t n, uint64_t seed) {
     }
 }
 
+/* n elements in new GPU memory: a copy of x, or (x NULL) NaN, so that an output nothing
+   writes fails the comparison. */
 static __nv_bfloat16 *to_gpu(const __nv_bfloat16 *x, int64_t n) {
     __nv_bfloat16 *d;
     CUDA_OK(cudaMalloc((void **)&d, (size_t)n * 2));
     if (x) CUDA_OK(cudaMemcpy(d, x, (size_t)n * 2, cudaMemcpyHostToDevice));
+    else CUDA_OK(cudaMemset(d, 0xff, (size_t)n * 2));
     return d;
 }
 
@@ -79,14 +82,17 @@ static float *to_host(const uly_tensor *t) { /* a [b, s, h, d] view, densely, in
     return x;
 }
 
-/* max |got - want| / (1 + |want|) between a shard and tokens [s0, s0 + got.s) of a full tensor. */
+/* max |got - want| / (1 + |want|) between a shard and tokens [s0, s0 + got.s) of a full tensor;
+   a NaN is an infinite error (fmax would drop it). */
 static double shard_error(uly_tensor got, uly_tensor full, int64_t s0) {
     full.data = (__nv_bfloat16 *)full.data + s0 * full.ss;
     full.s = got.s;
     float *g = to_host(&got), *w = to_host(&full);
     double err = 0;
-    for (int64_t i = 0; i < got.b * got.s * got.h * got.d; i++)
-        err = fmax(err, fabs((double)g[i] - w[i]) / (1 + fabs((double)w[i])));
+    for (int64_t i = 0; i < got.b * got.s * got.h * got.d; i++) {
+        const double e = fabs((double)g[i] - w[i]) / (1 + fabs((double)w[i]));
+        if (!(e <= err)) err = isnan(e) ? INFINITY : e;
+    }
     free(g), free(w);
     return err;
 }

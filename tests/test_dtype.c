@@ -7,7 +7,9 @@
    Rounding to a format is rint (ties to even) at the format's unit in the last place, and inf
    past its largest finite value. The conversions are checked over every bit pattern and every
    tie, and the DKV sum against fp32 additions in peer order (each one an fp64 sum rounded to
-   float, which is exact) rounded once. */
+   float, which is exact) rounded once. Which peers hold a kv head, and their token counts, come
+   from the plan (uly_kv_heads, uly_tokens), which test_plan checks against formulas of its own:
+   this file tests the sums, not the ranges. */
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses.h"
 #include "check.h"
