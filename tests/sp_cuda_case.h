@@ -29,7 +29,7 @@ static void round_all(float *x, int64_t n, uly_dtype t) {
     for (int64_t i = 0; i < n; i++) x[i] = round_to(t, x[i]);
 }
 
-/* n values of dtype t on the device, from host floats (NULL: left uninitialized). */
+/* n values of dtype t on the device, from host floats (NULL: NaN). */
 static void *to_dev(const float *x, int64_t n, uly_dtype t) {
     int64_t es = uly_dtype_size(t);
     char *tmp = (char *)malloc((size_t)(n * es + 1));
@@ -41,6 +41,7 @@ static void *to_dev(const float *x, int64_t n, uly_dtype t) {
     }
     CHECK(cudaMalloc(&d, (size_t)(n * es + 1)) == cudaSuccess, "cudaMalloc");
     if (x) cudaMemcpy(d, tmp, (size_t)(n * es), cudaMemcpyHostToDevice);
+    else cudaMemset(d, 0xff, (size_t)(n * es)); /* as the emulator's cudaMalloc, on a GPU too */
     free(tmp);
     return d;
 }
