@@ -449,8 +449,8 @@ endif
 # thread's is a reported race whatever the schedule (tests/emu/cuda_emu.cpp says what counts as
 # ordered). test_race proves the detector on kernels with and without the barrier. TSan makes
 # the emulator ~15x slower, so test_flash and test_cuda_layer run a subset that still takes every
-# kernel and code path: both head dims, causal or not, tails, GQA, Sq != Sk, deterministic dQ,
-# masked rows, the device-local exchange.
+# dense kernel and code path (not varlen's check kernel and row offsets): both head dims, causal
+# or not, tails, GQA, Sq != Sk, deterministic dQ, masked rows, the device-local exchange.
 TSAN          = -fsanitize=thread -fno-omit-frame-pointer
 EMU_TSAN_OBJ  = $(BUILD)/tsan/emu/cuda_emu.o
 TSAN_CTESTS   = test_layer test_loss test_errors

@@ -1294,6 +1294,8 @@ TEST(bad_launch_configurations_are_refused) {
     CHECK(launch_error() == cudaErrorInvalidConfiguration, "2048 threads per block launched");
     ULY_LAUNCH(count_up, dim3(1, 70000), 32, 0, 0, (float *)nullptr, out);
     CHECK(launch_error() == cudaErrorInvalidConfiguration, "grid.y of 70000 launched");
+    ULY_LAUNCH(count_up, dim3(0x80000000u), 32, 0, 0, (float *)nullptr, out);
+    CHECK(launch_error() == cudaErrorInvalidConfiguration, "grid.x of 2^31 launched");
     cudaFree(out);
 }
 
