@@ -295,11 +295,16 @@ static uly_varlen varlen_on_device(const std::vector<int> &cu_q, const std::vect
 
 /* Forward and backward of attention `fa` on the eight tensors in a (the rest of a comes from c),
    dense, or (varlen, flash only) packed [1, total, H, D] documents: true when both ran, the lse
-   in *lse. */
+   in *lse. On a stream of their own, which the emulator runs asynchronously (the legacy stream's
+   work it runs before the call returns): a host read of device memory before the stream is done
+   is an error there. */
 static bool run_kernels(const fcase &c, const std::vector<int> &cu_q, const std::vector<int> &cu_k,
                         bool varlen, const uly_attn &fa, uly_attn_args a, fvec *lse) {
     a.causal = c.causal, a.deterministic = c.deterministic, a.softmax_scale = c.scale;
     a.q_head0 = c.q_head0, a.kv_group = c.kv_group;
+    cudaStream_t stream;
+    CHECK(cudaStreamCreate(&stream) == cudaSuccess, "cudaStreamCreate");
+    a.stream = stream;
     const int64_t nlse = a.q.b * c.H * a.q.s;
     cudaMalloc((void **)&a.lse, (size_t)(nlse > 0 ? nlse : 1) * 4);
     const int64_t ws = fa.workspace(fa.ctx, &a);
@@ -315,10 +320,11 @@ static bool run_kernels(const fcase &c, const std::vector<int> &cu_q, const std:
         st = varlen ? uly_flash_varlen_bwd(&a, &vl) : fa.bwd(fa.ctx, &a);
         CHECK(st.code == ULY_OK, "backward: %s", st.msg);
     }
-    CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
+    CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "kernels ran");
     lse->resize((size_t)nlse);
     cudaMemcpy(lse->data(), a.lse, (size_t)nlse * 4, cudaMemcpyDeviceToHost);
     cudaFree(a.lse), cudaFree(a.workspace), cudaFree(cu);
+    cudaStreamDestroy(stream);
     return st.code == ULY_OK;
 }
 
