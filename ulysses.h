@@ -1388,9 +1388,6 @@ static void uly__sum_kv_copies(const uly_plan *p, uly_tensor t, const char *recv
     }
 }
 
-/* Moves peer blocks between tensor t and exchange buffer buf. In buf the blocks are dense, in
-   peer order; in t peer j's block is the view of j's heads (sequence layout) or of j's tokens
-   (head layout). */
 /* The rules of every layout, CPU and CUDA: a plan as uly_plan_init made it, an exchange, t a
    valid view of the layout that x packs from (pack) or unpacks to, and an exchange buffer
    aligned to the element size. */
@@ -1413,6 +1410,9 @@ static uly_status uly__check_move(const uly_plan *p, uly_xchg x, int pack, uly_t
     return uly__ok();
 }
 
+/* Moves peer blocks between tensor t and exchange buffer buf. In buf the blocks are dense, in
+   peer order; in t peer j's block is the view of j's heads (sequence layout) or of j's tokens
+   (head layout). */
 static uly_status uly__cpu_move(const uly_plan *p, uly_xchg x, int pack, uly_tensor t, char *buf) {
     ULY__TRY(uly__check_move(p, x, pack, t, buf));
     const int seq = pack == uly__to_head(x);

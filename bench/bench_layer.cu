@@ -67,8 +67,8 @@ static void add_up(const bench *b, float ms[5]) {
             exit(1);
         }
     float first = at(b, 0, 0), last = at(b, 0, t.n - 1);
-    for (int r = 1; r < P; r++) first = std::min(first, at(b, r, 0));
-    for (int r = 1; r < P; r++) last = std::max(last, at(b, r, t.n - 1));
+    for (int r = 1; r < P; r++)
+        first = std::min(first, at(b, r, 0)), last = std::max(last, at(b, r, t.n - 1));
     for (int i = 0; i + 1 < t.n; i++) {
         if (t.phase[i] < 0) continue;
         const bool together = t.phase[i] == ULY_PHASE_EXCHANGE;
@@ -76,8 +76,8 @@ static void add_up(const bench *b, float ms[5]) {
         for (int r = 1; r < P; r++) {
             const float x = at(b, r, i);
             lo = together ? std::max(lo, x) : std::min(lo, x);
+            hi = std::max(hi, at(b, r, i + 1));
         }
-        for (int r = 1; r < P; r++) hi = std::max(hi, at(b, r, i + 1));
         ms[t.phase[i]] += hi - lo;
     }
     ms[4] += last - first;
