@@ -31,6 +31,7 @@
                        .layout = uly_cpu_layout(), .causal = 1 };
        L.workspace_bytes = uly_layer_workspace(&L);
        L.workspace = malloc(L.workspace_bytes);
+       st = uly_layer_agree(&L);                             // once: every rank plans alike
        int64_t nsaved = uly_saved_bytes(&plan);
        void *saved = malloc(nsaved);                         // kept from forward to backward
        uly_range tok = uly_tokens(&plan, plan.sp_rank);      // this rank's tokens
@@ -347,6 +348,14 @@ ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, ul
 /* dq, dk, dv are overwritten, in sequence layout. */
 ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *saved,
                                int64_t saved_bytes, uly_tensor dq, uly_tensor dk, uly_tensor dv);
+/* Checks that every rank of l->comm runs the same layer: the plan's desc (shape, dtype, world,
+   max_bytes), causal and the softmax scale. An exchange cannot tell: a peer that plans another
+   S sends blocks of other sizes, which MPI may take as short messages (leaving the rest of a
+   buffer as it was) and NCCL may wait on forever, and a peer with another mask or scale
+   computes its heads differently. A collective of two small allreduce_sums of host memory
+   (NCCL's needs uly_nccl.scratch): call it once on every rank after building the layer. Every
+   rank returns the same code; a rank that differs from SP rank 0 names the field. */
+ULYDEF uly_status uly_layer_agree(const uly_layer *l);
 
 /* ---------------------------------------------------------------------------------------------
    What a trainer needs around the layer */
@@ -1461,8 +1470,13 @@ ULYDEF uly_layout uly_cpu_layout(void) {
    rank's heads is bitwise the rows of attention over all heads. K and V of one kv head are
    transposed to [D][Sk] in the workspace so that the score loops run over contiguous keys. */
 
+/* The scale softmax_scale stands for (0: 1/sqrt(D)). */
+static float uly__scale_of(float softmax_scale, int64_t head_dim) {
+    return softmax_scale != 0 ? softmax_scale : 1.0f / sqrtf((float)head_dim);
+}
+
 static float uly__scale(const uly_attn_args *a) {
-    return a->softmax_scale != 0 ? a->softmax_scale : 1.0f / sqrtf((float)a->q.d);
+    return uly__scale_of(a->softmax_scale, a->q.d);
 }
 
 /* Query heads per kv head: kv_group, or q.h / k.h where it is 0. */
@@ -1959,6 +1973,71 @@ ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *
     ULY__TRY(uly__exchange(l, ULY_X_O, s.w.grad.q, dq, &s.w));
     ULY__TRY(uly__exchange(l, ULY_X_DKV, s.w.grad.k, dk, &s.w));
     return uly__exchange(l, ULY_X_DKV, s.w.grad.v, dv, &s.w);
+}
+
+/* What every rank of a layer must hold alike, the scale as its float's bits; two of the fields
+   are shown as other than numbers. */
+enum { ULY__AGREED = 11, ULY__AGREED_DTYPE = 7, ULY__AGREED_SCALE = 10 };
+static const char *const uly__agreed_names[ULY__AGREED] = {
+    "world_size", "sp_size", "batch", "seq_len", "n_heads", "n_kv_heads", "head_dim", "dtype",
+    "max_bytes", "causal", "softmax_scale"};
+
+static void uly__agreed(const uly_layer *l, int64_t v[ULY__AGREED]) {
+    const uly_plan_desc *d = &l->plan->desc;
+    const float scale = uly__scale_of(l->softmax_scale, d->head_dim);
+    uint32_t bits;
+    memcpy(&bits, &scale, sizeof bits);
+    const int64_t all[ULY__AGREED] = {d->world_size, d->sp_size, d->batch, d->seq_len,
+                                      d->n_heads, d->n_kv_heads, d->head_dim, d->dtype,
+                                      d->max_bytes, l->causal != 0, bits};
+    memcpy(v, all, sizeof all);
+}
+
+/* Value v of field f, as its message shows it. */
+static const char *uly__agreed_text(int f, int64_t v, char text[32]) {
+    const uint32_t bits = (uint32_t)v;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    if (f == ULY__AGREED_SCALE) snprintf(text, 32, "%g", scale);
+    else if (f == ULY__AGREED_DTYPE) snprintf(text, 32, "%s", uly__dtype_name((uly_dtype)v));
+    else snprintf(text, 32, "%lld", ULY__LL(v));
+    return text;
+}
+
+/* SP rank 0's values reach every rank as a sum to which the others add 0, each int64 in two
+   32-bit halves that a double holds exactly; a second sum counts the ranks that differ, so all
+   of them return alike. */
+ULYDEF uly_status uly_layer_agree(const uly_layer *l) {
+    ULY__CHECK(l && uly__plan_ok(l->plan), ULY_EINVAL, "layer_agree: %s",
+               l ? "layer.plan is NULL or not as uly_plan_init made it" : "layer is NULL");
+    const uly_comm *c = l->comm;
+    ULY__CHECK(c && c->allreduce_sum, ULY_EINVAL, "layer_agree: layer.comm%s is NULL",
+               c ? "->allreduce_sum" : "");
+    ULY__CHECK(c->size == l->plan->desc.sp_size && c->rank == l->plan->sp_rank, ULY_EINVAL,
+               "layer_agree: layer.comm is rank %d of %d, the plan's sp rank %d of %d", c->rank,
+               c->size, l->plan->sp_rank, l->plan->desc.sp_size);
+    int64_t mine[ULY__AGREED], first = 0;
+    double sum[2 * ULY__AGREED];
+    uly__agreed(l, mine);
+    for (int f = 0; f < ULY__AGREED; f++) {
+        const uint64_t u = c->rank == 0 ? (uint64_t)mine[f] : 0;
+        sum[2 * f] = (double)(u >> 32), sum[2 * f + 1] = (double)(u & 0xffffffffu);
+    }
+    ULY__TRY(c->allreduce_sum(c->ctx, sum, 2 * ULY__AGREED, NULL));
+    int f = 0; /* the first field that differs from rank 0's, ULY__AGREED if none */
+    for (; f < ULY__AGREED; f++) {
+        first = (int64_t)((uint64_t)sum[2 * f] << 32 | (uint64_t)sum[2 * f + 1]);
+        if (first != mine[f]) break;
+    }
+    double differ = f < ULY__AGREED;
+    ULY__TRY(c->allreduce_sum(c->ctx, &differ, 1, NULL));
+    char a[32], b[32];
+    ULY__CHECK(f == ULY__AGREED, ULY_EINVAL, "layer_agree: %s is %s on this rank (sp rank %d), "
+               "%s on sp rank 0", uly__agreed_names[f], uly__agreed_text(f, mine[f], a), c->rank,
+               uly__agreed_text(f, first, b));
+    ULY__CHECK(differ == 0, ULY_EINVAL, "layer_agree: %d of %d sp ranks run another layer than "
+               "sp rank 0 (each of them names the field)", (int)differ, c->size);
+    return uly__ok();
 }
 
 /* ---------------------------------------------------------------------------------------------

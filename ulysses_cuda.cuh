@@ -33,6 +33,7 @@
        L.causal = 1;
        L.workspace_bytes = uly_layer_workspace(&L);
        cudaMalloc(&L.workspace, L.workspace_bytes);
+       st = uly_layer_agree(&L);                 // once: every rank planned the same layer
        int64_t nsaved = uly_saved_bytes(&plan);
        cudaMalloc(&saved, nsaved);
        uly_qkv_views(d_qkv, ULY_BF16, B, S_r, H, Hkv, D, &q, &k, &v);  // llm.c's fused QKV

@@ -218,11 +218,13 @@ static void run_rank(const uly_comm *c, void *user) {
     const int64_t nsaved = uly_saved_bytes(&plan);
     void *saved = malloc((size_t)nsaved);
     uly_range t = uly_tokens(&plan, plan.sp_rank);
+    st = uly_layer_agree(&L); /* every rank planned the same layer (once, a collective) */
 
     L.phase_user = &fwd_t;
     double t0 = now();
-    st = uly_forward(&L, tokens(d, d->q, d->H, t), tokens(d, d->k, d->Hkv, t),
-                     tokens(d, d->v, d->Hkv, t), tokens(d, d->out, d->H, t), saved, nsaved);
+    if (!st.code)
+        st = uly_forward(&L, tokens(d, d->q, d->H, t), tokens(d, d->k, d->Hkv, t),
+                         tokens(d, d->v, d->Hkv, t), tokens(d, d->out, d->H, t), saved, nsaved);
     double t1 = now();
     L.phase_user = &bwd_t;
     if (!st.code)

@@ -177,6 +177,7 @@ int main(int argc, char **argv) {
     CUDA_OK(cudaMalloc(&L.workspace, (size_t)L.workspace_bytes));
     const int64_t nsaved = uly_saved_bytes(&plan);
     CUDA_OK(cudaMalloc(&saved, (size_t)nsaved));
+    ulysses_ok(uly_layer_agree(&L), "uly_layer_agree"); /* every rank planned the same layer */
     ulysses_ok(uly_forward(&L, q_r, k_r, v_r, out_r, saved, nsaved), "uly_forward");
     ulysses_ok(uly_backward(&L, dout_r, saved, nsaved, dq_r, dk_r, dv_r), "uly_backward");
     ulysses_ok(uly_nccl_wait(sp, stream, 60.0), "the layer's stream");

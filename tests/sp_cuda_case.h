@@ -373,4 +373,39 @@ static void check_barrier(rank_runner run) {
               r, j.st[r].msg, j.early[r]);
 }
 
+/* ---------------------------------------------------------------------------------------------
+   uly_layer_agree over a device communicator (its allreduce_sum of host memory): on 3 ranks,
+   first alike layers, then rank 2's with causal 0. */
+
+typedef struct agree_job {
+    uly_status alike[3], odd[3];
+} agree_job;
+
+static void agree_main(const uly_comm *c, void *user) {
+    agree_job *j = (agree_job *)user;
+    uly_plan p;
+    uly_plan_desc d;
+    memset(&d, 0, sizeof d);
+    d.world_size = 3, d.rank = c->rank, d.sp_size = 3, d.batch = 1, d.seq_len = 40;
+    d.n_heads = 6, d.n_kv_heads = 2, d.head_dim = 64, d.dtype = ULY_BF16;
+    const uly_status st = uly_plan_init(&p, &d);
+    uly_layer l;
+    memset(&l, 0, sizeof l);
+    l.plan = &p, l.comm = c, l.causal = 1;
+    j->alike[c->rank] = st.code ? st : uly_layer_agree(&l);
+    l.causal = c->rank != 2;
+    j->odd[c->rank] = st.code ? st : uly_layer_agree(&l);
+}
+
+static void check_agree(rank_runner run) {
+    const agree_job j = run_job<agree_job>(run, 3, agree_main);
+    for (int r = 0; r < 3; r++) {
+        const char *want = r == 2 ? "causal is 0 on this rank (sp rank 2), 1 on sp rank 0"
+                                  : "1 of 3 sp ranks";
+        CHECK(!j.alike[r].code, "rank %d, alike layers: %s", r, j.alike[r].msg);
+        CHECK(j.odd[r].code == ULY_EINVAL && strstr(j.odd[r].msg, want),
+              "rank %d, rank 2 not causal: '%s' (want '%s')", r, j.odd[r].msg, want);
+    }
+}
+
 #endif

@@ -32,8 +32,8 @@
      nothing.
    - The device-local communicator on its own: bytes land where the counts say, allreduce sums
      host memory (queuing nothing, once the stream is done) or device memory (given no stream,
-     on the per-thread one),
-     and mismatched counts are an error on every rank, not a hang.
+     on the per-thread one), and mismatched counts are an error on every rank, not a hang;
+     uly_layer_agree over it fails on every rank when one rank's layer is not causal.
    - Bad input to the layer is a named error.
    Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu). */
 #include "emu/cuda_emu.h"
@@ -818,6 +818,11 @@ TEST(device_local_bad_arguments_on_one_rank_fail_every_rank) {
 /* sp_cuda_case.h's barrier check, as test_nccl runs it for NCCL's. */
 TEST(device_local_barrier_holds_every_rank_until_all_arrive) {
     check_barrier(uly_cuda_local_run);
+}
+
+/* sp_cuda_case.h's, as test_nccl runs it for NCCL's. */
+TEST(device_local_layer_agree_fails_on_every_rank_when_one_is_not_causal) {
+    check_agree(uly_cuda_local_run);
 }
 
 /* The other two grid dims: 65536 batches (the grid's z) or 65536 query heads (its y) are

@@ -704,6 +704,125 @@ TEST(cpu_attention_refuses_a_workspace_smaller_than_its_args_need) {
 }
 
 /* ---------------------------------------------------------------------------------------------
+   uly_layer_agree: three ranks, one of which (or rank 0, against the two others) builds its
+   layer with one field changed. Every rank must fail; a rank that differs from rank 0 names the
+   field with both values, the others count the ranks that differ. */
+
+enum { A_CAUSAL = P_MAXB + 1, A_SCALE, A_NONE };
+
+typedef struct agree_row {
+    const char *what;
+    int who;             /* the rank that builds another layer */
+    int f;               /* an enum pfield, A_CAUSAL or A_SCALE */
+    int64_t v;           /* its value (A_SCALE: scale) */
+    float scale;
+    const char *mine, *first; /* a differing rank's message: "<mine> on this rank", "<first> on
+                                 sp rank 0"; NULL: the layers agree */
+    const char *count;        /* the other ranks' message */
+} agree_row;
+
+/* 2^53 + 1 rounds to 2^53 as a double: only exact integers tell them apart. */
+static const int64_t TWO53 = (int64_t)1 << 53;
+
+static const agree_row agree_table[] = {
+    {"the same layer", 1, A_NONE, 0, 0, NULL, NULL, NULL},
+    {"scale 0.25 given, the others' 0 (1/sqrt(16))", 1, A_SCALE, 0, 0.25f, NULL, NULL, NULL},
+    {"seq_len 17 on rank 2", 2, P_S, 17, 0, "seq_len is 17", "16", "1 of 3 sp ranks"},
+    {"seq_len 17 on rank 0", 0, P_S, 17, 0, "seq_len is 16", "17", "2 of 3 sp ranks"},
+    {"n_kv_heads 6 on rank 1", 1, P_HKV, 6, 0, "n_kv_heads is 6", "3", "1 of 3"},
+    {"dtype f16 on rank 1", 1, P_DTYPE, ULY_F16, 0, "dtype is f16", "bf16", "1 of 3"},
+    {"world_size 6 on rank 2", 2, P_WORLD, 6, 0, "world_size is 6", "3", "1 of 3"},
+    {"max_bytes 2^53 + 1 on rank 1", 1, P_MAXB, ((int64_t)1 << 53) + 1, 0,
+     "max_bytes is 9007199254740993", "9007199254740992", "1 of 3"},
+    {"max_bytes 2^53 + 1 on rank 0", 0, P_MAXB, ((int64_t)1 << 53) + 1, 0,
+     "max_bytes is 9007199254740992", "9007199254740993", "2 of 3"},
+    {"causal 0 on rank 2", 2, A_CAUSAL, 0, 0, "causal is 0", "1", "1 of 3"},
+    {"scale 0.3 on rank 1", 1, A_SCALE, 0, 0.3f, "softmax_scale is 0.3", "0.25", "1 of 3"},
+};
+
+typedef struct agree_run {
+    const agree_row *row;
+    uly_status st[3];
+} agree_run;
+
+static void agree_rank(const uly_comm *c, void *user) {
+    agree_run *run = (agree_run *)user;
+    const agree_row *row = run->row;
+    uly_plan_desc d = {.world_size = 3, .rank = c->rank, .sp_size = 3, .batch = 2,
+                       .seq_len = 16, .n_heads = 6, .n_kv_heads = 3, .head_dim = 16,
+                       .dtype = ULY_BF16, .max_bytes = TWO53};
+    uly_layer l = {.comm = c, .causal = 1};
+    if (c->rank == row->who && row->f <= P_MAXB) set_field(&d, (enum pfield)row->f, row->v);
+    if (c->rank == row->who && row->f == A_CAUSAL) l.causal = (int)row->v;
+    if (c->rank == row->who && row->f == A_SCALE) l.softmax_scale = row->scale;
+    uly_plan p;
+    run->st[c->rank] = uly_plan_init(&p, &d);
+    l.plan = &p;
+    if (!run->st[c->rank].code) run->st[c->rank] = uly_layer_agree(&l);
+}
+
+TEST(layer_agree_fails_on_every_rank_and_a_rank_unlike_rank_0_names_the_field) {
+    for (size_t i = 0; i < sizeof agree_table / sizeof *agree_table; i++) {
+        const agree_row *row = &agree_table[i];
+        agree_run run = {.row = row};
+        uly_status st = uly_local_run(3, agree_rank, &run);
+        CHECK(st.code == ULY_OK, "%s: local_run: %s", row->what, st.msg);
+        for (int r = 0; r < 3; r++) {
+            const uly_status *got = &run.st[r];
+            const int odd = row->who == 0 ? r != 0 : r == row->who;
+            char mine[96], first[64], rank[32];
+            if (!row->mine) {
+                CHECK(got->code == ULY_OK, "%s: rank %d: %s", row->what, r, got->msg);
+                continue;
+            }
+            snprintf(mine, sizeof mine, "%s on this rank", row->mine);
+            snprintf(first, sizeof first, ", %s on sp rank 0", row->first);
+            snprintf(rank, sizeof rank, "(sp rank %d)", r);
+            if (odd) {
+                check_status(*got, ULY_EINVAL, mine, row->what);
+                check_status(*got, ULY_EINVAL, first, row->what);
+                check_status(*got, ULY_EINVAL, rank, row->what);
+            } else {
+                check_status(*got, ULY_EINVAL, row->count, row->what);
+            }
+        }
+    }
+}
+
+static void agree_alone(const uly_comm *c, void *user) {
+    uly_status *st = (uly_status *)user + 5 * c->rank;
+    uly_plan p;
+    uly_plan_desc d = {.world_size = 3, .rank = c->rank, .sp_size = 3, .batch = 1, .seq_len = 6,
+                       .n_heads = 3, .head_dim = 8};
+    uly_layer l = {.plan = &p, .comm = c};
+    uly_comm no_sum = *c;
+    no_sum.allreduce_sum = NULL;
+    uly_plan_init(&p, &d);
+    st[0] = uly_layer_agree(NULL);
+    l.plan = NULL;
+    st[1] = uly_layer_agree(&l);
+    l.plan = &p, l.comm = NULL;
+    st[2] = uly_layer_agree(&l);
+    l.comm = &no_sum;
+    st[3] = uly_layer_agree(&l);
+    l.comm = c; /* of 2 ranks, the plan's sp_size is 3 */
+    st[4] = uly_layer_agree(&l);
+}
+
+/* What a rank can tell alone it tells before the collective, where its peers would wait. */
+TEST(layer_agree_rejects_a_broken_layer_before_any_collective) {
+    uly_status st[2][5];
+    CHECK(uly_local_run(2, agree_alone, st).code == ULY_OK, "local_run");
+    for (int r = 0; r < 2; r++) {
+        check_status(st[r][0], ULY_EINVAL, "layer is NULL", "layer NULL");
+        check_status(st[r][1], ULY_EINVAL, "layer.plan", "plan NULL");
+        check_status(st[r][2], ULY_EINVAL, "layer.comm is NULL", "comm NULL");
+        check_status(st[r][3], ULY_EINVAL, "allreduce_sum", "allreduce_sum NULL");
+        check_status(st[r][4], ULY_EINVAL, "of 2, the plan's sp rank", "comm of 2 ranks");
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
    uly_cross_entropy and uly_local_run */
 
 TEST(cross_entropy_rejects_a_label_out_of_the_vocabulary) {

@@ -1,5 +1,5 @@
-/* test_mpi.c - the SP layer and the loss over the MPI communicator, run as 4 processes
-   (make test runs `mpirun -np 4 build/test_mpi`).
+/* test_mpi.c - the SP layer, uly_layer_agree and the loss over the MPI communicator, run as 4
+   processes (make test runs `mpirun -np 4 build/test_mpi`).
 
    Every process makes the same full tensors from a seed and computes the unsharded references
    itself (uly_cpu_attention and the fp64 attention of ref64.h), runs the layer over
@@ -334,6 +334,28 @@ TEST(two_dp_groups_of_sp_2_each_run_their_own_layer) {
     check_layer(&comm, &c, 3000 + (uint64_t)(world_rank / 2), "dp group");
     MPI_Comm_free(&sp);
     MPI_Comm_free(&dp);
+}
+
+/* uly_layer_agree over MPI: the same layer on every rank, then world rank 3 with S = 67. */
+static uly_status agree_over_mpi(const uly_comm *comm, int64_t S_of_rank_3) {
+    uly_plan p;
+    uly_plan_desc d = {.world_size = world_size, .rank = world_rank, .sp_size = world_size,
+                       .batch = 1, .seq_len = world_rank == 3 ? S_of_rank_3 : 64, .n_heads = 8,
+                       .n_kv_heads = 2, .head_dim = 16, .dtype = ULY_F32};
+    uly_status st = uly_plan_init(&p, &d);
+    uly_layer l = {.plan = &p, .comm = comm, .causal = 1};
+    return st.code ? st : uly_layer_agree(&l);
+}
+
+TEST(layer_agree_over_mpi_passes_alike_layers_and_fails_everywhere_on_another_S) {
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 0);
+    uly_status st = agree_over_mpi(&comm, 64);
+    ALL_CHECK(st.code == ULY_OK, "%s", st.msg);
+    st = agree_over_mpi(&comm, 67);
+    const char *want = world_rank == 3 ? "seq_len is 67 on this rank (sp rank 3), 64 on sp rank 0"
+                                       : "1 of 4 sp ranks";
+    ALL_CHECK(st.code == ULY_EINVAL && strstr(st.msg, want), "%s (want \"%s\")", st.msg, want);
 }
 
 TEST(loss_reduce_over_mpi_with_an_empty_rank_is_sum_all_over_count_all) {

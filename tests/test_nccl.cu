@@ -20,7 +20,8 @@
      ULY_NCCL_SCRATCH, every rank getting the same sum, all on the caller's stream (host
      memory with none: the per-thread default stream); without scratch, host memory and barrier
      are ULY_EUNSUPPORTED; barrier returns on no rank before every rank has called it; both
-     give up on a stalled stream after uly_nccl.timeout_s.
+     give up on a stalled stream after uly_nccl.timeout_s. uly_layer_agree (two sums of host
+     memory) fails on every rank when one rank's layer is not causal.
    - uly_nccl_split: SP groups of consecutive ranks and DP groups across them (sizes, ranks and
      members), by ncclCommSplit's color/key rule, checked on the double too; an sp_size that
      does not divide the world is ULY_EINVAL.
@@ -564,6 +565,9 @@ TEST(without_scratch_host_memory_and_barrier_are_unsupported) {
 }
 
 TEST(barrier_holds_every_rank_until_all_arrive) { check_barrier(nccl_run); }
+
+/* Two sums of host memory through scratch; sp_cuda_case.h's check. */
+TEST(layer_agree_fails_on_every_rank_when_one_is_not_causal) { check_agree(nccl_run); }
 
 /* ---------------------------------------------------------------------------------------------
    uly_nccl_split */
