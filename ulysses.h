@@ -71,6 +71,7 @@
        ULYSSES_MPI              declare and build the MPI communicator (include <mpi.h> first)
        ULYSSES_NO_THREADS       leave out the threaded local communicator (no pthreads)
        ULY_ASSERT(x)            internal invariants (default: assert)
+   Link with -lm, and -lpthread unless ULYSSES_NO_THREADS.
 
    Nothing here allocates: buffers come from the caller, sized by the *_bytes queries. There is
    no global state; every call is reentrant. On the GPU every call is ordered on the caller's
@@ -645,8 +646,8 @@ static uly_status uly__check_like(const char *name, uly_tensor t, uly_tensor wan
                "%s: shape [%lld, %lld, %lld, %lld], want [%lld, %lld, %lld, %lld]", name,
                ULY__LL(t.b), ULY__LL(t.s), ULY__LL(t.h), ULY__LL(t.d), ULY__LL(want.b),
                ULY__LL(want.s), ULY__LL(want.h), ULY__LL(want.d));
-    ULY__CHECK(t.dtype == want.dtype, ULY_EINVAL, "%s: dtype %s, want %s", name,
-               uly__dtype_name(t.dtype), uly__dtype_name(want.dtype));
+    ULY__CHECK(t.dtype == want.dtype, ULY_EINVAL, "%s: dtype %s, want %s (the plan's dtype)",
+               name, uly__dtype_name(t.dtype), uly__dtype_name(want.dtype));
     return uly__check_view(name, t);
 }
 

@@ -23,10 +23,10 @@
 
        ncclComm_t world, sp, dp;                 // world from ncclCommInitRank, MPI bootstrap
        uly_nccl_split(world, P, 0, &sp, &dp);    // SP: P consecutive ranks; DP: across groups
-       uly_nccl nccl = {sp, d_scratch};          // ULY_NCCL_SCRATCH doubles of device memory
+       uly_nccl nccl = {sp, scratch, 60, stream}; // ULY_NCCL_SCRATCH GPU doubles; 60 s limit
        uly_comm comm;
        uly_nccl_comm(&nccl, &comm);
-       uly_plan_desc desc = {world_size, rank, P, B, S, H, Hkv, D, ULY_BF16};
+       uly_plan_desc desc = {world_size, rank, P, B, S, H, Hkv, D, ULY_BF16, 0};
        uly_plan plan;
        uly_status st = uly_plan_init(&plan, &desc);
        uly_layer L = uly_cuda_layer(&plan, &comm, stream);
