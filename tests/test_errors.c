@@ -714,15 +714,15 @@ typedef struct agree_row {
     const char *what;
     int who;             /* the rank that builds another layer */
     int f;               /* an enum pfield, A_CAUSAL or A_SCALE */
-    int64_t v;           /* its value (A_SCALE: scale) */
-    float scale;
+    int64_t v;           /* the value of a pfield or of causal */
+    float scale;         /* A_SCALE's */
     const char *mine, *first; /* a differing rank's message: "<mine> on this rank", "<first> on
                                  sp rank 0"; NULL: the layers agree */
     const char *count;        /* the other ranks' message */
 } agree_row;
 
 /* 2^53 + 1 rounds to 2^53 as a double: only exact integers tell them apart. */
-static const int64_t TWO53 = (int64_t)1 << 53;
+#define TWO53 ((int64_t)1 << 53)
 
 static const agree_row agree_table[] = {
     {"the same layer", 1, A_NONE, 0, 0, NULL, NULL, NULL},
@@ -732,9 +732,9 @@ static const agree_row agree_table[] = {
     {"n_kv_heads 6 on rank 1", 1, P_HKV, 6, 0, "n_kv_heads is 6", "3", "1 of 3"},
     {"dtype f16 on rank 1", 1, P_DTYPE, ULY_F16, 0, "dtype is f16", "bf16", "1 of 3"},
     {"world_size 6 on rank 2", 2, P_WORLD, 6, 0, "world_size is 6", "3", "1 of 3"},
-    {"max_bytes 2^53 + 1 on rank 1", 1, P_MAXB, ((int64_t)1 << 53) + 1, 0,
+    {"max_bytes 2^53 + 1 on rank 1", 1, P_MAXB, TWO53 + 1, 0,
      "max_bytes is 9007199254740993", "9007199254740992", "1 of 3"},
-    {"max_bytes 2^53 + 1 on rank 0", 0, P_MAXB, ((int64_t)1 << 53) + 1, 0,
+    {"max_bytes 2^53 + 1 on rank 0", 0, P_MAXB, TWO53 + 1, 0,
      "max_bytes is 9007199254740992", "9007199254740993", "2 of 3"},
     {"causal 0 on rank 2", 2, A_CAUSAL, 0, 0, "causal is 0", "1", "1 of 3"},
     {"scale 0.3 on rank 1", 1, A_SCALE, 0, 0.3f, "softmax_scale is 0.3", "0.25", "1 of 3"},
