@@ -160,11 +160,14 @@ typedef struct uly_plan_desc {
     int64_t max_bytes;  /* largest per-peer message the communicator moves; 0 = no limit */
 } uly_plan_desc;
 
+/* Read-only once made: every call refuses a plan edited after uly_plan_init (to change a shape,
+   call uly_plan_init again). */
 typedef struct uly_plan {
     uly_plan_desc desc; /* as validated, n_kv_heads filled in */
     int sp_rank, dp_rank;
     int64_t group;      /* g = n_heads / n_kv_heads, query heads per kv head */
     int64_t elem_size;
+    uly_plan_desc made; /* private: desc as uly_plan_init validated it */
 } uly_plan;
 
 typedef struct uly_range {
@@ -660,11 +663,19 @@ static int uly__to_head(uly_xchg x) { return x == ULY_X_Q || x == ULY_X_KV; }
 static uly_status uly__check_desc(const uly_plan_desc *d);
 static int64_t uly__bytes(const uly_plan *p, int64_t tokens, int64_t heads);
 
-/* p is as uly_plan_init made it: a valid desc, the fields derived from it, and a fused buffer
-   whose bytes fit int64 (a plan edited afterwards would size and index buffers by fields that
-   disagree, or by sizes that overflow). */
+static int uly__same_desc(const uly_plan_desc *a, const uly_plan_desc *b) {
+    return a->world_size == b->world_size && a->rank == b->rank && a->sp_size == b->sp_size &&
+           a->batch == b->batch && a->seq_len == b->seq_len && a->n_heads == b->n_heads &&
+           a->n_kv_heads == b->n_kv_heads && a->head_dim == b->head_dim &&
+           a->dtype == b->dtype && a->max_bytes == b->max_bytes;
+}
+
+/* p is as uly_plan_init made it: the desc it validated, the fields derived from it, and a fused
+   buffer whose bytes fit int64. A plan edited afterwards would size and index buffers by fields
+   that disagree, or by sizes init never checked; the rest guards a plan never made (zeroed
+   memory has desc == made, and sp_size 0). */
 static int uly__plan_ok(const uly_plan *p) {
-    return p && !uly__check_desc(&p->desc).code &&
+    return p && uly__same_desc(&p->desc, &p->made) && !uly__check_desc(&p->desc).code &&
            p->sp_rank == p->desc.rank % p->desc.sp_size &&
            p->dp_rank == p->desc.rank / p->desc.sp_size &&
            p->group == p->desc.n_heads / p->desc.n_kv_heads &&
@@ -902,6 +913,7 @@ ULYDEF uly_status uly_plan_init(uly_plan *p, const uly_plan_desc *desc) {
     q.dp_rank = q.desc.rank / q.desc.sp_size;
     q.group = q.desc.n_heads / q.desc.n_kv_heads;
     q.elem_size = uly_dtype_size(q.desc.dtype);
+    q.made = q.desc; /* the size queries below take q as made */
     /* Every size derived later is at most one of these, so the queries need no checks. */
     int64_t heads = uly__add(q.desc.n_heads, uly__mul(2, q.desc.n_kv_heads));
     int64_t fused = uly__bytes(&q, q.desc.seq_len, heads);

@@ -592,6 +592,31 @@ TEST(a_plan_edited_into_overflowing_sizes_is_refused) {
                  "2^62 heads after init");
 }
 
+/* One rank, f32, S = 5 * 2^37 and D = 2^20 after init: the fused q, k, v (3 * 5 * 2^59 bytes)
+   fit int64, saved (4 * 5 * 2^59, as uly_plan_init would have found) does not. And an edit into
+   a shape init accepts, S 16 -> 17: its buffers would be sized for what no peer planned. Both
+   are refused: the queries size 0 and the lse view is NULL. */
+TEST(a_plan_edited_after_init_is_refused_even_where_its_fused_buffer_fits) {
+    uly_plan_desc one = {.world_size = 1, .sp_size = 1, .batch = 1, .seq_len = 16, .n_heads = 1,
+                         .head_dim = 16};
+    uly_plan_desc d = good_desc();
+    uly_plan p;
+    char saved[64];
+    int64_t c[4][ULY_MAX_SP];
+    for (int edit = 0; edit < 2; edit++) {
+        CHECK(uly_plan_init(&p, edit ? &d : &one).code == ULY_OK, "the base plan");
+        if (edit) p.desc.seq_len = 17;
+        else p.desc.seq_len = (int64_t)5 << 37, p.desc.head_dim = (int64_t)1 << 20;
+        check_status(uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]), ULY_EINVAL,
+                     "plan", edit ? "S 16 -> 17" : "S 5 * 2^37, D 2^20");
+        CHECK(uly_saved_bytes(&p) == 0 && uly_saved_lse(&p, saved) == NULL &&
+                  uly_tokens(&p, 0).count == 0,
+              "edit %d: saved_bytes %lld, lse at saved %+lld", edit,
+              (long long)uly_saved_bytes(&p), (long long)((char *)uly_saved_lse(&p, saved) - saved));
+    }
+    check_status(uly_plan_init(&p, &p.desc), ULY_OK, "", "S 17 made anew");
+}
+
 /* ---------------------------------------------------------------------------------------------
    uly_attn_check */
 
