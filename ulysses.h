@@ -274,7 +274,8 @@ typedef struct uly_attn {
     uly_status (*fwd)(void *ctx, const uly_attn_args *a);
     uly_status (*bwd)(void *ctx, const uly_attn_args *a);
     /* Bytes of workspace: the layer asks once, with the backward's fields set, and passes the
-       same buffer to fwd and bwd, so the answer must cover both. */
+       same buffer to fwd and bwd, so the answer must cover both. -1 when a is NULL or its
+       sizes overflow. */
     int64_t (*workspace)(void *ctx, const uly_attn_args *a);
     void *ctx;
     /* Optional: what fwd (backward = 0) or bwd would refuse in a, without running. The layer
@@ -1585,7 +1586,7 @@ static int64_t uly__scratch_at(const uly_attn_args *a, void *base, uly__scratch 
 static int64_t uly__cpu_workspace(void *ctx, const uly_attn_args *a) {
     uly__scratch s;
     (void)ctx;
-    return uly__scratch_at(a, NULL, &s);
+    return a ? uly__scratch_at(a, NULL, &s) : -1;
 }
 
 static uly_status uly__cpu_check(void *ctx, const uly_attn_args *a, int backward) {

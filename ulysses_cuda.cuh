@@ -974,7 +974,7 @@ __global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_kv(const uly__r
 
 static int64_t uly__ref_workspace(void *ctx, const uly_attn_args *a) {
     (void)ctx;
-    return uly__mul(uly__mul(uly__mul(a->q.b, a->q.h), a->q.s), 4); /* Dsum */
+    return a ? uly__mul(uly__mul(uly__mul(a->q.b, a->q.h), a->q.s), 4) : -1; /* Dsum */
 }
 
 /* The contract's checks, then the parameters every kernel reads. */
@@ -2065,6 +2065,7 @@ static int64_t uly__fa_dsum_bytes(const uly_attn_args *a) {
 }
 static int64_t uly__fa_workspace(void *ctx, const uly_attn_args *a) {
     (void)ctx;
+    if (!a) return -1;
     const int64_t acc = uly__align(uly__mul(uly__mul(uly__fa_rows(a), a->q.d), 4));
     return uly__add(uly__fa_dsum_bytes(a), a->deterministic ? 0 : acc);
 }
@@ -2483,6 +2484,7 @@ static void uly__lt_parts(const uly_attn_args *a, int64_t (&n)[ULY__LT_PARTS]) {
 static int64_t uly__lt_workspace(void *ctx, const uly_attn_args *a) {
     (void)ctx;
     int64_t n[ULY__LT_PARTS], sum = 0;
+    if (!a) return -1;
     uly__lt_parts(a, n);
     for (int i = 0; i < ULY__LT_PARTS; i++) sum = uly__add(sum, n[i]);
     return sum;

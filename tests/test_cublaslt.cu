@@ -177,6 +177,8 @@ TEST(cublaslt_other_head_dims) {
 
 TEST(cublaslt_rejects_what_it_does_not_take) {
     const uly_attn lt = uly_cublaslt_attention(lt_handle());
+    CHECK(lt.workspace(lt.ctx, NULL) == -1, "workspace of no args: %lld",
+          (long long)lt.workspace(lt.ctx, NULL));
     uly_attn_args a;
     memset(&a, 0, sizeof a);
     alignas(256) char buf[64];

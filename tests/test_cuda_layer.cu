@@ -235,6 +235,15 @@ TEST(reference_attention_backward_rejects_bad_gradients_and_a_short_workspace) {
 
 /* What the reference attention's grid (k.h is the dK/dV kernel's y) or its float workspace
    cannot take is an error before anything runs. The views are never read. */
+/* The size query of each GPU attention here, given no args: -1 (as uly_attn says), no crash. */
+TEST(gpu_attentions_size_no_workspace_for_null_args) {
+    const uly_attn all[3] = {uly_cuda_reference_attention(), uly_flash_attention(),
+                             uly_flash_varlen_attention(NULL)};
+    for (int i = 0; i < 3; i++)
+        CHECK(all[i].workspace(all[i].ctx, NULL) == -1, "attention %d: %lld", i,
+              (long long)all[i].workspace(all[i].ctx, NULL));
+}
+
 TEST(reference_attention_rejects_65536_kv_heads_and_a_misaligned_workspace) {
     const uly_attn ref = uly_cuda_reference_attention();
     alignas(16) static float buf[16];

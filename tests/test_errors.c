@@ -715,6 +715,11 @@ TEST(cpu_attention_refuses_a_broken_contract_instead_of_reading_out_of_bounds) {
 }
 
 /* A workspace sized for other args (here: fewer keys) is refused, not overrun. */
+TEST(cpu_attention_sizes_no_workspace_for_null_args) {
+    const uly_attn attn = uly_cpu_attention();
+    CHECK(attn.workspace(attn.ctx, NULL) == -1, "%lld", (long long)attn.workspace(attn.ctx, NULL));
+}
+
 TEST(cpu_attention_refuses_a_workspace_smaller_than_its_args_need) {
     uly_attn attn = uly_cpu_attention();
     uly_attn_args a = good_args(), fewer = good_args();
