@@ -280,7 +280,8 @@ typedef struct uly_attn {
     void *ctx;
     /* Optional: what fwd (backward = 0) or bwd would refuse in a, without running. The layer
        asks before it exchanges anything, so a refusal stops every rank at the same point
-       instead of one rank while its peers wait in the next collective. */
+       instead of one rank while its peers wait in the next collective; a limit on the rank's
+       own head count (which ranks differ in by one) can still stop some ranks only. */
     uly_status (*check)(void *ctx, const uly_attn_args *a, int backward);
     int device; /* 1: its tensors are GPU memory, 0: host memory */
 } uly_attn;

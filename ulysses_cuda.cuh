@@ -194,7 +194,11 @@ typedef struct uly_varlen {
 } uly_varlen;
 
 /* The flash kernels as a uly_attn. ctx is unused. The backward's workspace holds Dsum and, unless
-   deterministic, the fp32 dQ accumulator; the forward needs none. */
+   deterministic, the fp32 dQ accumulator; the forward needs none.
+   Non-finite inputs: a tile's products multiply the zero probabilities of masked keys into V
+   (and P, dS into dout, K), and 0 * Inf is NaN, so an Inf or NaN in k or v at a key some rows
+   of its tile mask, or in dout at a row with no key kept, can reach rows that never see it, as
+   in FlashAttention. The reference attentions skip masked keys. Finite inputs stay finite. */
 ULYDEF uly_attn uly_flash_attention(void);
 
 /* Varlen: args as for the dense calls, with q.b == k.b == 1 and the documents taken from v.
