@@ -360,7 +360,10 @@ ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *
    buffer as it was) and NCCL may wait on forever, and a peer with another mask or scale
    computes its heads differently. A collective of two small allreduce_sums of host memory
    (NCCL's needs uly_nccl.scratch): call it once on every rank after building the layer. Every
-   rank returns the same code; a rank that differs from SP rank 0 names the field. */
+   rank returns the same code: a rank that differs from SP rank 0 names the field, one whose
+   plan is not valid or not the communicator's rank says so and still takes part (so that its
+   peers fail with it instead of waiting); only a NULL layer, comm or allreduce_sum, which
+   cannot take part, returns at once. */
 ULYDEF uly_status uly_layer_agree(const uly_layer *l);
 
 /* ---------------------------------------------------------------------------------------------
@@ -2019,39 +2022,52 @@ static const char *uly__agreed_text(int f, int64_t v, char text[32]) {
     return text;
 }
 
-/* SP rank 0's values reach every rank as a sum to which the others add 0, each int64 in two
-   32-bit halves that a double holds exactly; a second sum counts the ranks that differ, so all
-   of them return alike. */
-ULYDEF uly_status uly_layer_agree(const uly_layer *l) {
-    ULY__CHECK(l && uly__plan_ok(l->plan), ULY_EINVAL, "layer_agree: %s",
-               l ? "layer.plan is NULL or not as uly_plan_init made it" : "layer is NULL");
+/* What a rank can tell of its layer alone. */
+static uly_status uly__agree_alone(const uly_layer *l) {
     const uly_comm *c = l->comm;
-    ULY__CHECK(c && c->allreduce_sum, ULY_EINVAL, "layer_agree: layer.comm%s is NULL",
-               c ? "->allreduce_sum" : "");
+    ULY__CHECK(uly__plan_ok(l->plan), ULY_EINVAL,
+               "layer_agree: layer.plan is NULL or not as uly_plan_init made it");
     ULY__CHECK(c->size == l->plan->desc.sp_size && c->rank == l->plan->sp_rank, ULY_EINVAL,
                "layer_agree: layer.comm is rank %d of %d, the plan's sp rank %d of %d", c->rank,
                c->size, l->plan->sp_rank, l->plan->desc.sp_size);
-    int64_t mine[ULY__AGREED], first = 0;
-    double sum[2 * ULY__AGREED];
-    uly__agreed(l, mine);
-    for (int f = 0; f < ULY__AGREED; f++) {
-        const uint64_t u = c->rank == 0 ? (uint64_t)mine[f] : 0;
-        sum[2 * f] = (double)(u >> 32), sum[2 * f + 1] = (double)(u & 0xffffffffu);
+    return uly__ok();
+}
+
+/* SP rank 0's values reach every rank as a sum to which the others add 0, each int64 in two
+   32-bit halves that a double holds exactly, with whether rank 0 could tell them; a second sum
+   counts the ranks that differ or failed alone. Every rank that can call the communicator takes
+   part in both, so all of them return alike. */
+ULYDEF uly_status uly_layer_agree(const uly_layer *l) {
+    ULY__CHECK(l && l->comm && l->comm->allreduce_sum, ULY_EINVAL, "layer_agree: %s is NULL",
+               !l ? "layer" : !l->comm ? "layer.comm" : "layer.comm->allreduce_sum");
+    const uly_comm *c = l->comm;
+    const uly_status alone = uly__agree_alone(l);
+    int64_t mine[ULY__AGREED] = {0}, first = 0;
+    double sum[2 * ULY__AGREED + 1] = {0}; /* rank 0's halves, then 1 if it had a layer */
+    if (!alone.code) uly__agreed(l, mine);
+    for (int f = 0; c->rank == 0 && f < ULY__AGREED; f++) {
+        sum[2 * f] = (double)((uint64_t)mine[f] >> 32);
+        sum[2 * f + 1] = (double)((uint64_t)mine[f] & 0xffffffffu);
     }
-    ULY__TRY(c->allreduce_sum(c->ctx, sum, 2 * ULY__AGREED, NULL));
+    sum[2 * ULY__AGREED] = c->rank == 0 && !alone.code;
+    ULY__TRY(c->allreduce_sum(c->ctx, sum, 2 * ULY__AGREED + 1, NULL));
+    const int rank0 = sum[2 * ULY__AGREED] == 1;
     int f = 0; /* the first field that differs from rank 0's, ULY__AGREED if none */
     for (; f < ULY__AGREED; f++) {
         first = (int64_t)((uint64_t)sum[2 * f] << 32 | (uint64_t)sum[2 * f + 1]);
         if (first != mine[f]) break;
     }
-    double differ = f < ULY__AGREED;
+    double differ = alone.code || !rank0 || f < ULY__AGREED;
     ULY__TRY(c->allreduce_sum(c->ctx, &differ, 1, NULL));
     char a[32], b[32];
+    if (alone.code) return alone;
+    ULY__CHECK(rank0, ULY_EINVAL, "layer_agree: sp rank 0 has no valid layer (its message says "
+               "why)");
     ULY__CHECK(f == ULY__AGREED, ULY_EINVAL, "layer_agree: %s is %s on this rank (sp rank %d), "
                "%s on sp rank 0", uly__agreed_names[f], uly__agreed_text(f, mine[f], a), c->rank,
                uly__agreed_text(f, first, b));
     ULY__CHECK(differ == 0, ULY_EINVAL, "layer_agree: %d of %d sp ranks run another layer than "
-               "sp rank 0 (each of them names the field)", (int)differ, c->size);
+               "sp rank 0 or have none (each of them says why)", (int)differ, c->size);
     return uly__ok();
 }
 

@@ -336,25 +336,32 @@ TEST(two_dp_groups_of_sp_2_each_run_their_own_layer) {
     MPI_Comm_free(&dp);
 }
 
-/* uly_layer_agree over MPI: the same layer on every rank, then world rank 3 with S = 67. */
-static uly_status agree_over_mpi(const uly_comm *comm, int64_t S_of_rank_3) {
+/* uly_layer_agree over MPI: the same layer on every rank, then world rank 3 with S = 67, then
+   with sp_size 2 (a plan for another split of the world, not this communicator's): no rank may
+   wait for it in a collective. */
+static uly_status agree_over_mpi(const uly_comm *comm, int64_t S_of_rank_3, int sp_of_rank_3) {
     uly_plan p;
-    uly_plan_desc d = {.world_size = world_size, .rank = world_rank, .sp_size = world_size,
-                       .batch = 1, .seq_len = world_rank == 3 ? S_of_rank_3 : 64, .n_heads = 8,
+    uly_plan_desc d = {.world_size = world_size, .rank = world_rank,
+                       .sp_size = world_rank == 3 ? sp_of_rank_3 : world_size, .batch = 1,
+                       .seq_len = world_rank == 3 ? S_of_rank_3 : 64, .n_heads = 8,
                        .n_kv_heads = 2, .head_dim = 16, .dtype = ULY_F32};
     uly_status st = uly_plan_init(&p, &d);
     uly_layer l = {.plan = &p, .comm = comm, .causal = 1};
     return st.code ? st : uly_layer_agree(&l);
 }
 
-TEST(layer_agree_over_mpi_passes_alike_layers_and_fails_everywhere_on_another_S) {
+TEST(layer_agree_over_mpi_passes_alike_layers_and_fails_everywhere_on_another_S_or_split) {
     uly_mpi m;
     uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 0);
-    uly_status st = agree_over_mpi(&comm, 64);
+    uly_status st = agree_over_mpi(&comm, 64, world_size);
     ALL_CHECK(st.code == ULY_OK, "%s", st.msg);
-    st = agree_over_mpi(&comm, 67);
+    st = agree_over_mpi(&comm, 67, world_size);
     const char *want = world_rank == 3 ? "seq_len is 67 on this rank (sp rank 3), 64 on sp rank 0"
                                        : "1 of 4 sp ranks";
+    ALL_CHECK(st.code == ULY_EINVAL && strstr(st.msg, want), "%s (want \"%s\")", st.msg, want);
+    st = agree_over_mpi(&comm, 64, 2);
+    want = world_rank == 3 ? "layer.comm is rank 3 of 4, the plan's sp rank 1 of 2"
+                           : "1 of 4 sp ranks";
     ALL_CHECK(st.code == ULY_EINVAL && strstr(st.msg, want), "%s (want \"%s\")", st.msg, want);
 }
 
