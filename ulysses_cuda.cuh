@@ -2376,9 +2376,9 @@ static uint32_t uly__lt_align(const uly__lt_mat *m, int64_t ld, int batch) {
    names them) are aligned to align[] bytes, with partial sums of a split K kept in fp32 (not in
    a 16-bit D, which would round O and dQ more than once). */
 static uly_status uly__lt_search(cublasLtHandle_t lt, cublasLtMatmulDesc_t desc,
-                                 cublasLtMatrixLayout_t const (&l)[3], const uint32_t (&align)[3],
+                                 cublasLtMatrixLayoutOpaque_t (&l)[3], const uint32_t (&align)[3],
                                  cublasLtMatmulAlgo_t *algo) {
-    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulPreferenceOpaque_t pref; /* descriptors live here, not in cuBLASLt's heap */
     cublasLtMatmulHeuristicResult_t best;
     int found = 0;
     const uint64_t ws_bytes = ULY__LT_WS;
@@ -2394,20 +2394,18 @@ static uly_status uly__lt_search(cublasLtHandle_t lt, cublasLtMatmulDesc_t desc,
                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align[1], sizeof align[1]},
                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align[2], sizeof align[2]},
                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[2], sizeof align[2]}};
-    uly_status st =
-        uly__lt(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+    uly_status st = uly__lt(cublasLtMatmulPreferenceInit(&pref), "cublasLtMatmulPreferenceInit");
     for (size_t i = 0; i < sizeof set / sizeof set[0] && !st.code; i++)
-        st = uly__lt(cublasLtMatmulPreferenceSetAttribute(pref, set[i].attr, set[i].v, set[i].n),
+        st = uly__lt(cublasLtMatmulPreferenceSetAttribute(&pref, set[i].attr, set[i].v, set[i].n),
                      "cublasLtMatmulPreferenceSetAttribute");
     if (!st.code)
-        st = uly__lt(cublasLtMatmulAlgoGetHeuristic(lt, desc, l[0], l[1], l[2], l[2], pref, 1,
-                                                    &best, &found),
+        st = uly__lt(cublasLtMatmulAlgoGetHeuristic(lt, desc, &l[0], &l[1], &l[2], &l[2], &pref,
+                                                    1, &best, &found),
                      "cublasLtMatmulAlgoGetHeuristic");
     if (!st.code && (found < 1 || best.state != CUBLAS_STATUS_SUCCESS))
         st = uly__err(ULY_EUNSUPPORTED, "cuBLASLt has no kernel for a product whose operands "
                       "are aligned to %u, %u and %u bytes", align[0], align[1], align[2]);
     if (!st.code) *algo = best.algo;
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
     return st;
 }
 
@@ -2416,45 +2414,42 @@ static uly_status uly__lt_search(cublasLtHandle_t lt, cublasLtMatmulDesc_t desc,
 static uly_status uly__lt_gemm(cublasLtHandle_t lt, uly__lt_mat a, int ta, uly__lt_mat b, int tb,
                                uly__lt_mat d, float alpha, float beta, int batch, void *ws,
                                cudaStream_t stream) {
-    cublasLtMatmulDesc_t desc = NULL;
-    cublasLtMatrixLayout_t l[3] = {NULL, NULL, NULL};
+    cublasLtMatmulDescOpaque_t desc; /* descriptors live here, not in cuBLASLt's heap */
+    cublasLtMatrixLayoutOpaque_t l[3];
     cublasLtMatmulAlgo_t algo;
     uint32_t align[3];
     const uly__lt_mat *m[3] = {&b, &a, &d};
     const cublasOperation_t op[2] = {tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                      ta ? CUBLAS_OP_T : CUBLAS_OP_N};
-    uly_status st = uly__lt(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-                            "cublasLtMatmulDescCreate");
+    uly_status st = uly__lt(cublasLtMatmulDescInit(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                            "cublasLtMatmulDescInit");
     if (!st.code)
-        st = uly__lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op[0],
+        st = uly__lt(cublasLtMatmulDescSetAttribute(&desc, CUBLASLT_MATMUL_DESC_TRANSA, &op[0],
                                                     sizeof op[0]), "TRANSA");
     if (!st.code)
-        st = uly__lt(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op[1],
+        st = uly__lt(cublasLtMatmulDescSetAttribute(&desc, CUBLASLT_MATMUL_DESC_TRANSB, &op[1],
                                                     sizeof op[1]), "TRANSB");
     for (int i = 0; i < 3 && !st.code; i++) {
         /* cuBLASLt wants ld >= a row's length even for one row, whose ld is never applied
            (a decode step's query may have any row stride). */
         const int64_t ld = m[i]->rows > 1 ? m[i]->ld : m[i]->cols;
         align[i] = uly__lt_align(m[i], ld, batch);
-        st = uly__lt(cublasLtMatrixLayoutCreate(&l[i], m[i]->t, (uint64_t)m[i]->cols,
-                                                (uint64_t)m[i]->rows, ld),
-                     "cublasLtMatrixLayoutCreate");
+        st = uly__lt(cublasLtMatrixLayoutInit(&l[i], m[i]->t, (uint64_t)m[i]->cols,
+                                              (uint64_t)m[i]->rows, ld),
+                     "cublasLtMatrixLayoutInit");
         if (!st.code)
-            st = uly__lt(cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+            st = uly__lt(cublasLtMatrixLayoutSetAttribute(&l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
                                                           &batch, sizeof batch), "BATCH_COUNT");
         if (!st.code)
             st = uly__lt(cublasLtMatrixLayoutSetAttribute(
-                             l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &m[i]->stride,
+                             &l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &m[i]->stride,
                              sizeof m[i]->stride), "STRIDED_BATCH_OFFSET");
     }
-    if (!st.code) st = uly__lt_search(lt, desc, l, align, &algo);
+    if (!st.code) st = uly__lt_search(lt, &desc, l, align, &algo);
     if (!st.code)
-        st = uly__lt(cublasLtMatmul(lt, desc, &alpha, b.p, l[0], a.p, l[1], &beta, d.p, l[2],
-                                    (void *)d.p, l[2], &algo, ws, ULY__LT_WS, stream),
+        st = uly__lt(cublasLtMatmul(lt, &desc, &alpha, b.p, &l[0], a.p, &l[1], &beta, d.p, &l[2],
+                                    (void *)d.p, &l[2], &algo, ws, ULY__LT_WS, stream),
                      "cublasLtMatmul");
-    for (int i = 0; i < 3; i++)
-        if (l[i]) cublasLtMatrixLayoutDestroy(l[i]);
-    if (desc) cublasLtMatmulDescDestroy(desc);
     return st;
 }
 

@@ -10,7 +10,9 @@
 // real library's, never larger. Every other attribute, type, order or algorithm, and any layout
 // the documentation calls invalid (ld < rows, op(A) op(B) shapes that do not chain, batch counts
 // that differ, C == D with another descriptor), is refused with the status cuBLASLt documents,
-// so the code under test cannot rely on something this double does not check.
+// so the code under test cannot rely on something this double does not check. Descriptors are
+// made only in the caller's storage (the *Init forms): with no *Create here, code under test
+// that allocated its descriptors in cuBLASLt's heap would not link.
 //
 // Alignment, as the documentation puts it: the search (cublasLtMatmulAlgoGetHeuristic) only
 // returns kernels that work at the preference's MIN_ALIGNMENT_{A,B,C,D}_BYTES, 256 by default,
@@ -124,15 +126,13 @@ double at(const layout &l, const void *p, int64_t b, bool trans, int64_t i, int6
     return load(l.type, p, b * l.stride + i + j * l.ld);
 }
 
-// A handle's allocation with its body in place, and its release.
-template <typename H, typename B> cublasStatus_t create(H **h, const B &init) {
+// A descriptor made in the caller's storage of `size` bytes (ALLOC_FAILED if short, as
+// cuBLASLt's *Init say). The double has no *Create: the product keeps its descriptors on its
+// own stack, allocating nothing, and a *Create would not link here.
+template <typename H, typename B> cublasStatus_t init(H *h, size_t size, const B &value) {
     if (!h) return CUBLAS_STATUS_INVALID_VALUE;
-    *h = new H();
-    new (body(*h)) B(init);
-    return CUBLAS_STATUS_SUCCESS;
-}
-template <typename H> cublasStatus_t destroy(H *h) {
-    delete h;
+    if (size < sizeof *h) return CUBLAS_STATUS_ALLOC_FAILED;
+    new (body(h)) B(value);
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -172,12 +172,10 @@ const char *cublasLtGetStatusString(cublasStatus_t s) {
     }
 }
 
-cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t compute,
-                                        cudaDataType_t scale) {
-    return create(d, desc{compute, scale, {CUBLAS_OP_N, CUBLAS_OP_N}});
+cublasStatus_t cublasLtMatmulDescInit_internal(cublasLtMatmulDesc_t d, size_t size,
+                                               cublasComputeType_t compute, cudaDataType_t scale) {
+    return init(d, size, desc{compute, scale, {CUBLAS_OP_N, CUBLAS_OP_N}});
 }
-
-cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) { return destroy(d); }
 
 cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
                                               cublasLtMatmulDescAttributes_t attr,
@@ -189,12 +187,11 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
                [](int32_t op) { return op == CUBLAS_OP_N || op == CUBLAS_OP_T; });
 }
 
-cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cudaDataType type,
-                                          uint64_t rows, uint64_t cols, int64_t ld) {
-    return create(l, layout{type, rows, cols, ld, 0, 1});
+cublasStatus_t cublasLtMatrixLayoutInit_internal(cublasLtMatrixLayout_t l, size_t size,
+                                                 cudaDataType type, uint64_t rows, uint64_t cols,
+                                                 int64_t ld) {
+    return init(l, size, layout{type, rows, cols, ld, 0, 1});
 }
-
-cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) { return destroy(l); }
 
 cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
                                                 cublasLtMatrixLayoutAttribute_t attr,
@@ -208,11 +205,9 @@ cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
     return CUBLAS_STATUS_NOT_SUPPORTED;
 }
 
-cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
-    return create(p, pref{0, CUBLASLT_REDUCTION_SCHEME_MASK, {256, 256, 256, 256}});
+cublasStatus_t cublasLtMatmulPreferenceInit_internal(cublasLtMatmulPreference_t p, size_t size) {
+    return init(p, size, pref{0, CUBLASLT_REDUCTION_SCHEME_MASK, {256, 256, 256, 256}});
 }
-
-cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) { return destroy(p); }
 
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
                                                     cublasLtMatmulPreferenceAttributes_t attr,
