@@ -2394,19 +2394,19 @@ static uly_status uly__lt_search(cublasLtHandle_t lt, cublasLtMatmulDesc_t desc,
                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align[1], sizeof align[1]},
                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align[2], sizeof align[2]},
                {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[2], sizeof align[2]}};
-    uly_status st = uly__lt(cublasLtMatmulPreferenceInit(&pref), "cublasLtMatmulPreferenceInit");
-    for (size_t i = 0; i < sizeof set / sizeof set[0] && !st.code; i++)
-        st = uly__lt(cublasLtMatmulPreferenceSetAttribute(&pref, set[i].attr, set[i].v, set[i].n),
-                     "cublasLtMatmulPreferenceSetAttribute");
-    if (!st.code)
-        st = uly__lt(cublasLtMatmulAlgoGetHeuristic(lt, desc, &l[0], &l[1], &l[2], &l[2], &pref,
+    ULY__TRY(uly__lt(cublasLtMatmulPreferenceInit(&pref), "cublasLtMatmulPreferenceInit"));
+    for (size_t i = 0; i < sizeof set / sizeof set[0]; i++)
+        ULY__TRY(uly__lt(cublasLtMatmulPreferenceSetAttribute(&pref, set[i].attr, set[i].v,
+                                                              set[i].n),
+                         "cublasLtMatmulPreferenceSetAttribute"));
+    ULY__TRY(uly__lt(cublasLtMatmulAlgoGetHeuristic(lt, desc, &l[0], &l[1], &l[2], &l[2], &pref,
                                                     1, &best, &found),
-                     "cublasLtMatmulAlgoGetHeuristic");
-    if (!st.code && (found < 1 || best.state != CUBLAS_STATUS_SUCCESS))
-        st = uly__err(ULY_EUNSUPPORTED, "cuBLASLt has no kernel for a product whose operands "
-                      "are aligned to %u, %u and %u bytes", align[0], align[1], align[2]);
-    if (!st.code) *algo = best.algo;
-    return st;
+                     "cublasLtMatmulAlgoGetHeuristic"));
+    ULY__CHECK(found >= 1 && best.state == CUBLAS_STATUS_SUCCESS, ULY_EUNSUPPORTED,
+               "cuBLASLt has no kernel for a product whose operands are aligned to %u, %u and %u "
+               "bytes", align[0], align[1], align[2]);
+    *algo = best.algo;
+    return uly__ok();
 }
 
 /* D = alpha * op(A) op(B) + beta * D for `batch` row-major matrices (op transposes when t*).
@@ -2421,36 +2421,30 @@ static uly_status uly__lt_gemm(cublasLtHandle_t lt, uly__lt_mat a, int ta, uly__
     const uly__lt_mat *m[3] = {&b, &a, &d};
     const cublasOperation_t op[2] = {tb ? CUBLAS_OP_T : CUBLAS_OP_N,
                                      ta ? CUBLAS_OP_T : CUBLAS_OP_N};
-    uly_status st = uly__lt(cublasLtMatmulDescInit(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-                            "cublasLtMatmulDescInit");
-    if (!st.code)
-        st = uly__lt(cublasLtMatmulDescSetAttribute(&desc, CUBLASLT_MATMUL_DESC_TRANSA, &op[0],
-                                                    sizeof op[0]), "TRANSA");
-    if (!st.code)
-        st = uly__lt(cublasLtMatmulDescSetAttribute(&desc, CUBLASLT_MATMUL_DESC_TRANSB, &op[1],
-                                                    sizeof op[1]), "TRANSB");
-    for (int i = 0; i < 3 && !st.code; i++) {
+    ULY__TRY(uly__lt(cublasLtMatmulDescInit(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                     "cublasLtMatmulDescInit"));
+    ULY__TRY(uly__lt(cublasLtMatmulDescSetAttribute(&desc, CUBLASLT_MATMUL_DESC_TRANSA, &op[0],
+                                                    sizeof op[0]), "TRANSA"));
+    ULY__TRY(uly__lt(cublasLtMatmulDescSetAttribute(&desc, CUBLASLT_MATMUL_DESC_TRANSB, &op[1],
+                                                    sizeof op[1]), "TRANSB"));
+    for (int i = 0; i < 3; i++) {
         /* cuBLASLt wants ld >= a row's length even for one row, whose ld is never applied
            (a decode step's query may have any row stride). */
         const int64_t ld = m[i]->rows > 1 ? m[i]->ld : m[i]->cols;
         align[i] = uly__lt_align(m[i], ld, batch);
-        st = uly__lt(cublasLtMatrixLayoutInit(&l[i], m[i]->t, (uint64_t)m[i]->cols,
-                                              (uint64_t)m[i]->rows, ld),
-                     "cublasLtMatrixLayoutInit");
-        if (!st.code)
-            st = uly__lt(cublasLtMatrixLayoutSetAttribute(&l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                                                          &batch, sizeof batch), "BATCH_COUNT");
-        if (!st.code)
-            st = uly__lt(cublasLtMatrixLayoutSetAttribute(
+        ULY__TRY(uly__lt(cublasLtMatrixLayoutInit(&l[i], m[i]->t, (uint64_t)m[i]->cols,
+                                                  (uint64_t)m[i]->rows, ld),
+                         "cublasLtMatrixLayoutInit"));
+        ULY__TRY(uly__lt(cublasLtMatrixLayoutSetAttribute(&l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                          &batch, sizeof batch), "BATCH_COUNT"));
+        ULY__TRY(uly__lt(cublasLtMatrixLayoutSetAttribute(
                              &l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &m[i]->stride,
-                             sizeof m[i]->stride), "STRIDED_BATCH_OFFSET");
+                             sizeof m[i]->stride), "STRIDED_BATCH_OFFSET"));
     }
-    if (!st.code) st = uly__lt_search(lt, &desc, l, align, &algo);
-    if (!st.code)
-        st = uly__lt(cublasLtMatmul(lt, &desc, &alpha, b.p, &l[0], a.p, &l[1], &beta, d.p, &l[2],
-                                    (void *)d.p, &l[2], &algo, ws, ULY__LT_WS, stream),
-                     "cublasLtMatmul");
-    return st;
+    ULY__TRY(uly__lt_search(lt, &desc, l, align, &algo));
+    return uly__lt(cublasLtMatmul(lt, &desc, &alpha, b.p, &l[0], a.p, &l[1], &beta, d.p, &l[2],
+                                  (void *)d.p, &l[2], &algo, ws, ULY__LT_WS, stream),
+                   "cublasLtMatmul");
 }
 
 /* The scratch of one kv head's group, then Dsum, dK and dV in fp32, and cuBLASLt's. */
