@@ -17,6 +17,7 @@
 #include "../ulysses_cuda.cuh"
 
 #include "bench_cuda.h"
+#include "ref64.h"
 
 #include <math.h>
 #include <string.h>
@@ -56,30 +57,22 @@ static std::vector<float> host_batch(const uly_tensor &t, int64_t b) {
     return f;
 }
 
-/* Query rows 0 and S - 1 of the last batch and head: o against a softmax computed here in
-   double from the same bf16 inputs; the larger |o - ref| / |ref| of the two rows. */
+/* Query rows 0 and S - 1 of the last batch and head: o against tests/ref64.h's fp64 softmax of
+   the same bf16 inputs; the larger |o - ref| / |ref| of the two rows. */
 static double rows_error(const uly_attn_args &a) {
     const int64_t S = a.q.s, D = a.q.d, b = a.q.b - 1, h = a.q.h - 1;
     const std::vector<float> q = host_batch(a.q, b), k = host_batch(a.k, b);
     const std::vector<float> v = host_batch(a.v, b), o = host_batch(a.o, b);
+    const ref_shape one = {1, S, S, a.q.h, a.k.h, D, a.causal, 0}; /* batch b, dense */
+    std::vector<double> p((size_t)S);
     double worst = 0;
     for (int64_t i : {(int64_t)0, S - 1}) {
-        const int64_t keys = a.causal ? i + 1 : S;
-        std::vector<double> w((size_t)keys), ref((size_t)D, 0.0);
-        double top = -INFINITY, sum = 0, err = 0, norm = 0;
-        for (int64_t j = 0; j < keys; j++) {
-            double x = 0;
-            for (int64_t d = 0; d < D; d++)
-                x += (double)q[i * a.q.ss + h * a.q.sh + d] * k[j * a.k.ss + h * a.k.sh + d];
-            w[j] = x / sqrt((double)D), top = std::max(top, w[j]);
-        }
-        for (int64_t j = 0; j < keys; j++) {
-            const double p = exp(w[j] - top);
-            sum += p;
-            for (int64_t d = 0; d < D; d++) ref[d] += p * v[j * a.v.ss + h * a.v.sh + d];
-        }
+        ref_row_probs(&one, q.data(), k.data(), 0, h, i, p.data());
+        double err = 0, norm = 0;
         for (int64_t d = 0; d < D; d++) {
-            const double r = ref[d] / sum, e = o[i * a.o.ss + h * a.o.sh + d] - r;
+            double r = 0;
+            for (int64_t j = 0; j < S; j++) r += p[j] * v[ref_ki(&one, 0, j, h) + d];
+            const double e = o[ref_qi(&one, 0, i, h) + d] - r;
             err += e * e, norm += r * r;
         }
         worst = std::max(worst, sqrt(err / norm));
