@@ -6,10 +6,10 @@
    column, 64 MB and more being past the L2, 50 MB on an H100 and 60 MB on an H200). Each kernel
    is timed against a device-to-device cudaMemcpyAsync of its exchange buffer's bytes (what a
    pack writes or an unpack reads); ratio = the kernel's GB/s over the copy's, each counting the
-   bytes it reads and writes once, target >= 0.9 at >= 64 MB. Sources and destinations are as in the layer: q, k and
-   dK views into fused QKV buffers, head-layout tensors dense, all random. Median of 20 runs
-   (bench_median_ms). Prints a table on stdout. Arguments: the sizes in MB (default 16 64 256
-   1024). */
+   bytes it reads and writes once, target >= 0.9 at >= 64 MB. Sources and destinations are as
+   in the layer: q, k and dK views into fused QKV buffers, head-layout tensors dense, all
+   random. Median of 20 runs (bench_median_ms). Prints a table on stdout. Arguments: the sizes
+   in MB (default 16 64 256 1024). */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"

@@ -612,7 +612,8 @@ TEST(a_plan_edited_after_init_is_refused_even_where_its_fused_buffer_fits) {
         CHECK(uly_saved_bytes(&p) == 0 && uly_saved_lse(&p, saved) == NULL &&
                   uly_tokens(&p, 0).count == 0,
               "edit %d: saved_bytes %lld, lse at saved %+lld", edit,
-              (long long)uly_saved_bytes(&p), (long long)((char *)uly_saved_lse(&p, saved) - saved));
+              (long long)uly_saved_bytes(&p),
+              (long long)((char *)uly_saved_lse(&p, saved) - saved));
     }
     check_status(uly_plan_init(&p, &p.desc), ULY_OK, "", "S 17 made anew");
 }

@@ -1190,7 +1190,8 @@ cudaError_t check_launch(const uly_emu_grid &g) {
     const dim3 b = g.block, gr = g.grid;
     unsigned long long threads = (unsigned long long)b.x * b.y * b.z;
     if (threads == 0 || threads > 1024 || b.z > 64 || gr.x == 0 || gr.y == 0 || gr.z == 0 ||
-        gr.x > 0x7fffffffu || gr.y > 65535 || gr.z > 65535 || (unsigned long long)gr.x * gr.y * gr.z > 0xffffffffull)
+        gr.x > 0x7fffffffu || gr.y > 65535 || gr.z > 65535 ||
+        (unsigned long long)gr.x * gr.y * gr.z > 0xffffffffull)
         return cudaErrorInvalidConfiguration;
     if (g.smem > kSmemDefault) {
         std::lock_guard<std::mutex> lock(attr_m);

@@ -11,9 +11,10 @@
 // (cudaGetLastError) with a message naming the kernel, block, threads and seed; other shared
 // accesses past it are AddressSanitizer's to catch. Environment: ULY_EMU_SEED (replay a
 // schedule), ULY_EMU_THREADS (OS threads, 1 for gdb), ULY_EMU_STACK_KB (fiber stack size),
-// ULY_EMU_ABORT=1 (abort() at the first failure, to get a backtrace of the failing fiber). Built with -DULY_EMU_TSAN and linked
-// into a program built with -fsanitize=thread, it reports data races between CUDA threads
-// (cuda_emu.cpp, ThreadSanitizer annotations). See the emulator section of README.md.
+// ULY_EMU_ABORT=1 (abort() at the first failure, to get a backtrace of the failing fiber).
+// Built with -DULY_EMU_TSAN and linked into a program built with -fsanitize=thread, it reports
+// data races between CUDA threads (cuda_emu.cpp, ThreadSanitizer annotations). See the emulator
+// section of README.md.
 #ifndef ULY_CUDA_EMU_H
 #define ULY_CUDA_EMU_H
 
