@@ -9,6 +9,7 @@
 // The PTX wrappers of ulysses_cuda.cuh (its declarations part; no implementation needed).
 #include "ulysses_cuda.cuh"
 
+#include <cfloat>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -1168,6 +1169,61 @@ TEST(paired_atomic_adds_sum_and_need_8_byte_alignment) {
     uly_emu_set_quiet(false);
 #endif
     cudaFree(f);
+}
+
+// atomicAdd of a float is atom.add.f32 without .noftz, which the PTX ISA says flushes
+// subnormal inputs and results to sign-preserving zero on global memory and keeps them on shared
+// memory; red.global.add.v2.f32 flushes as red.add.f32 does. Cases: a subnormal added, a
+// subnormal in memory, a positive and a negative subnormal sum, a subnormal added to a normal.
+enum { N_NEAR_ZERO = 5 };
+__global__ void add_near_zero(float *g, float *s_out, float *pair) {
+    ULY_DYN_SMEM(float, s);
+    const float m = FLT_MIN;
+    const float start[N_NEAR_ZERO] = {0.f, m / 4, 1.5f * m, -1.5f * m, m};
+    const float add[N_NEAR_ZERO] = {m / 4, 0.f, -m, m, m / 4};
+    for (int i = 0; i < N_NEAR_ZERO; i++) {
+        g[i] = s[i] = start[i];
+        atomicAdd(&g[i], add[i]);
+        atomicAdd(&s[i], add[i]);
+        s_out[i] = s[i];
+    }
+    pair[0] = 1.5f * m, pair[1] = -1.5f * m;
+    uly_red_add2(pair, -m, m);
+}
+
+#ifdef ULY_EMU
+__global__ void red_on_shared() {
+    ULY_DYN_SMEM(float, s);
+    uly_red_add2(s, 1.f, 1.f);
+}
+#endif
+
+static bool same_bits(float a, float b) { return !memcmp(&a, &b, sizeof a); }
+
+TEST(float_atomics_flush_subnormals_on_global_memory_only) {
+    const float m = FLT_MIN;
+    const float global[N_NEAR_ZERO] = {0.f, 0.f, 0.f, -0.f, m};
+    const float shared[N_NEAR_ZERO] = {m / 4, m / 4, m / 2, -m / 2, 1.25f * m};
+    float *g = device_zeros<float>(N_NEAR_ZERO), *s = device_zeros<float>(N_NEAR_ZERO);
+    float *pair = device_zeros<float>(2);
+    ULY_LAUNCH(add_near_zero, 1, 1, N_NEAR_ZERO * sizeof(float), 0, g, s, pair);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<float> hg = download(g, N_NEAR_ZERO), hs = download(s, N_NEAR_ZERO);
+    std::vector<float> hp = download(pair, 2);
+    for (int i = 0; i < N_NEAR_ZERO; i++)
+        CHECK(same_bits(hg[i], global[i]) && same_bits(hs[i], shared[i]),
+              "case %d: global %a (want %a), shared %a (want %a)", i, hg[i], global[i], hs[i],
+              shared[i]);
+    CHECK(same_bits(hp[0], 0.f) && same_bits(hp[1], -0.f), "red.global.add.v2.f32: %a %a",
+          hp[0], hp[1]);
+#ifdef ULY_EMU
+    uly_emu_set_quiet(true);
+    ULY_LAUNCH(red_on_shared, 1, 32, 8, 0);
+    std::string r = expect_failure(cudaErrorIllegalAddress);
+    CHECK(contains(r, "red.global.add.v2.f32") && contains(r, "shared"), "report: %s", r.c_str());
+    uly_emu_set_quiet(false);
+#endif
+    cudaFree(g), cudaFree(s), cudaFree(pair);
 }
 
 // Every thread of a 3D grid of 3D blocks finds its global index exactly once.

@@ -1499,13 +1499,16 @@ void uly_emu_mma(uly_emu_type t, float *d, const uint32_t *a, const uint32_t *b,
     meet(w, self);
 }
 
+namespace {
+
+// .ftz: a subnormal becomes a zero of its sign.
+float flush(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.f, x) : x; }
+
+}  // namespace
+
 // ex2.approx.ftz.f32: the PTX ISA allows 2 ulp of error; the emulator rounds the exact value
-// once. ftz: a subnormal input counts as zero, a subnormal result becomes +0.
-float uly_emu_ex2(float x) {
-    if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.f;
-    const float y = (float)std::exp2((double)x);
-    return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
-}
+// once, of the flushed input, and flushes the result.
+float uly_emu_ex2(float x) { return flush((float)std::exp2((double)flush(x))); }
 
 void uly_emu_ldmatrix(int n, bool trans, uint32_t *r, uint32_t smem_addr) {
     Fiber *self = current(tw, "ldmatrix");
@@ -1547,12 +1550,29 @@ void uly_emu_cp_async(uint32_t smem_addr, const void *src, int bytes, int src_by
 
 // red.global.add.v2.f32 (sm_90): a vector access, so p must be 8-byte aligned; each element
 // is its own atomic add.
+namespace {
+
+bool in_shared_window(const Worker *w, const void *p) {
+    return w && (uintptr_t)p - (uintptr_t)w->smem < kSmemPerBlock;
+}
+
+}  // namespace
+
+// atom.add.f32 and red.add.f32 without .noftz (atomicAdd's) flush subnormal inputs and results
+// to sign-preserving zero on global memory and keep them on shared memory (PTX ISA, atom and
+// red). Shared here is the block's dynamic window: a static __shared__ float, a thread_local of
+// the host, would count as global (no kernel of ours adds to one).
+float uly_emu_atomic_add(float *p, float v) {
+    if (in_shared_window(tw, p)) return uly__atomic_rmw(p, [v](float x) { return x + v; });
+    return uly__atomic_rmw(p, [v](float x) { return flush(flush(x) + flush(v)); });
+}
+
 void uly_emu_red_add2(float *p, float a, float b) {
     Fiber *self = current(tw, "red.global.add.v2.f32");
-    if ((uintptr_t)p % 8)
-        fail(*tw, cudaErrorMisalignedAddress, false,
-             "red.global.add.v2.f32: %s adds at %p, not 8-byte aligned", who(*self).c_str(),
-             (void *)p);
+    if ((uintptr_t)p % 8 || in_shared_window(tw, p))
+        fail(*tw, (uintptr_t)p % 8 ? cudaErrorMisalignedAddress : cudaErrorIllegalAddress, false,
+             "red.global.add.v2.f32: %s adds at %p, %s", who(*self).c_str(), (void *)p,
+             (uintptr_t)p % 8 ? "not 8-byte aligned" : "in shared memory, not global");
     atomicAdd(p, a);
     atomicAdd(p + 1, b);
 }

@@ -93,6 +93,7 @@ void uly_emu_cp_async(uint32_t smem_addr, const void *src, int bytes, int src_by
 void uly_emu_cp_async_commit();
 void uly_emu_cp_async_wait(int n);
 float uly_emu_ex2(float x);
+float uly_emu_atomic_add(float *p, float v);
 void uly_emu_red_add2(float *p, float a, float b);
 
 // Test hooks: the schedule seed in use, the message of the last failed launch (empty if none),
@@ -245,9 +246,7 @@ inline unsigned atomicAdd(unsigned *p, unsigned v) {
 inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) {
     return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
-inline float atomicAdd(float *p, float v) {
-    return uly__atomic_rmw(p, [v](float x) { return x + v; });
-}
+inline float atomicAdd(float *p, float v) { return uly_emu_atomic_add(p, v); }
 inline double atomicAdd(double *p, double v) {
     return uly__atomic_rmw(p, [v](double x) { return x + v; });
 }
