@@ -20,22 +20,26 @@
 
    ulysses_cuda.cuh adds the GPU side (layout kernels, NCCL, attention kernels) on the same API.
 
-   USAGE: one SP attention layer on rank `rank` of a world of `world` ranks (the CPU path)
+   USAGE: one SP attention layer on rank `rank` of a world of `world` ranks (the CPU path);
+   `comm` is its SP group's communicator: the one uly_local_run passes to each rank's function
+   (threads), or uly_mpi_comm over uly_mpi_split's group (MPI). README.md has the whole program.
 
        uly_plan plan;
        uly_status st = uly_plan_init(&plan, &(uly_plan_desc){
            .world_size = world, .rank = rank, .sp_size = 4,
            .batch = 1, .seq_len = 8192, .n_heads = 16, .n_kv_heads = 4, .head_dim = 64 });
-       if (st.code) { fprintf(stderr, "%s\n", st.msg); return 1; }
-       uly_layer L = { .plan = &plan, .comm = &comm, .attn = uly_cpu_attention(),
+       if (st.code) { fprintf(stderr, "%s\n", st.msg); return; }  // every rank fails alike
+       uly_layer L = { .plan = &plan, .comm = comm, .attn = uly_cpu_attention(),
                        .layout = uly_cpu_layout(), .causal = 1 };
        L.workspace_bytes = uly_layer_workspace(&L);
        L.workspace = malloc(L.workspace_bytes);
        st = uly_layer_agree(&L);                             // once: every rank plans alike
+       if (st.code) { fprintf(stderr, "%s\n", st.msg); return; }
        int64_t nsaved = uly_saved_bytes(&plan);
        void *saved = malloc(nsaved);                         // kept from forward to backward
        uly_range tok = uly_tokens(&plan, plan.sp_rank);      // this rank's tokens
-       uly_tensor q = uly_dense(qbuf, ULY_F32, 1, tok.count, 16, 64), ...;
+       uly_tensor q = uly_dense(qbuf, ULY_F32, 1, tok.count, 16, 64);  // out, dout, dq alike
+       uly_tensor k = uly_dense(kbuf, ULY_F32, 1, tok.count, 4, 64);   // Hkv heads: v, dk, dv
        st = uly_forward(&L, q, k, v, out, saved, nsaved);
        st = uly_backward(&L, dout, saved, nsaved, dq, dk, dv);
 
@@ -133,7 +137,8 @@ typedef struct uly_tensor {
 } uly_tensor;
 
 ULYDEF int64_t uly_dtype_size(uly_dtype t);
-/* A dense [b, s, h, d] tensor. */
+/* A dense [b, s, h, d] tensor. One whose elements overflow int64 gets strides -1, which every
+   call that takes it refuses (ULY_EOVERFLOW). */
 ULYDEF uly_tensor uly_dense(void *data, uly_dtype t, int64_t b, int64_t s, int64_t h, int64_t d);
 /* The view of heads [h0, h0 + n) of t. */
 ULYDEF uly_tensor uly_head_slice(uly_tensor t, int64_t h0, int64_t n);
@@ -157,7 +162,9 @@ typedef struct uly_plan_desc {
     int64_t n_kv_heads; /* Hkv; divides n_heads; 0 means n_heads */
     int64_t head_dim;   /* D */
     uly_dtype dtype;    /* of q, k, v, out and their gradients */
-    int64_t max_bytes;  /* largest per-peer message the communicator moves; 0 = no limit */
+    /* 0, or the largest per-peer message to plan for: uly_plan_init refuses a shape that needs
+       a larger one, before any communicator exists (the layer checks comm->max_bytes too). */
+    int64_t max_bytes;
 } uly_plan_desc;
 
 /* Read-only once made: every call refuses a plan edited after uly_plan_init (to change a shape,
@@ -212,8 +219,10 @@ typedef struct uly_comm {
     uly_status (*allreduce_sum)(void *ctx, double *buf, int64_t n, void *stream);
     uly_status (*barrier)(void *ctx);
     void *ctx;
-    int64_t max_bytes; /* largest per-peer count it moves; 0 = no limit */
-    int device;        /* 1: buffers are GPU memory, 0: host memory */
+    /* The largest per-peer count it can move, 0 = no limit: the layer refuses a plan that
+       needs more. Ours move any count (MPI's in chunks), so leave it 0. */
+    int64_t max_bytes;
+    int device; /* 1: buffers are GPU memory, 0: host memory */
 } uly_comm;
 
 #ifndef ULYSSES_NO_THREADS
@@ -297,7 +306,9 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward); /* the c
                       unpack recv [P][B, S_j, Hx_r, D] -> dst [B, S, Hx_r, D].
    head->seq (O, DKV): pack src [B, S, Hx_r, D] -> send blocks [B, S_j, Hx_r, D];
                       unpack recv [P][B, S_r, Hx_j, D] -> dst [B, S_r, Hx, D], and DKV sums the
-                      copies of a replicated kv head in peer order. */
+                      copies of a replicated kv head in peer order.
+   Hx is H for Q and O, Hkv for KV and DKV; Hx_r the part rank r holds: its query heads, or the
+   kv heads they need (uly_kv_heads). */
 
 typedef struct uly_layout {
     uly_status (*pack)(void *ctx, const uly_plan *p, uly_xchg x, uly_tensor src, void *send,
@@ -327,9 +338,11 @@ typedef struct uly_layer {
     float softmax_scale;    /* 0 = 1/sqrt(D) */
     int causal;
     int deterministic;
-    void *workspace;        /* uly_layer_workspace() bytes, in the communicator's memory,
-                               256-byte aligned as cudaMalloc's are (the cuBLASLt attention
-                               needs it, flash 16) */
+    void *workspace;        /* uly_layer_workspace() bytes, in the communicator's memory. Its
+                               parts start at 256-byte offsets, so a base aligned as
+                               cudaMalloc's (256) meets every attention's rule (cuBLASLt 256,
+                               flash 16, the CPU 4; each checks its part): malloc will do on
+                               the CPU. */
     int64_t workspace_bytes;
     void *stream;
     /* Optional: called at the start (end = 0) and end (end = 1) of every phase, for timing. */
@@ -379,7 +392,8 @@ ULYDEF uly_status uly_shard_tokens(const uly_plan *p, const int32_t *full, int32
 ULYDEF uly_status uly_shard_labels(const uly_plan *p, const int32_t *full, int32_t ignore_index,
                                    int32_t *labels);
 /* Cross-entropy over n local tokens of vocabulary v: adds sum of -log softmax(logits)[label]
-   and the count of labels != ignore_index. If dlogits is not NULL it gets the unscaled gradient
+   to *loss_sum and the count of labels != ignore_index to *count (zero them first; calls
+   accumulate, e.g. over micro-batches). If dlogits is not NULL it gets the unscaled gradient
    softmax - onehot (0 for ignored tokens); scale it by uly_loss_reduce's grad_scale. A -inf
    logit is a masked class (a label on one adds +inf); a token with a NaN or +inf logit, or
    with every logit -inf, adds NaN, as it does in any framework: that is the model's failure to
@@ -387,7 +401,8 @@ ULYDEF uly_status uly_shard_labels(const uly_plan *p, const int32_t *full, int32
 ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, int64_t n,
                                     int64_t v, int32_t ignore_index, double *loss_sum,
                                     int64_t *count, float *dlogits);
-/* One allreduce of (sum, count) over the comm: mean = sum_all / count_all and
+/* One allreduce of (sum, count) over c, the whole world (every DP and SP rank: over an SP
+   group alone the mean is one replica's): mean = sum_all / count_all and
    grad_scale = 1 / count_all, both 0 when no rank has a valid token (never NaN). */
 ULYDEF uly_status uly_loss_reduce(const uly_comm *c, double loss_sum, int64_t count,
                                   double *mean, double *grad_scale);
@@ -809,7 +824,8 @@ ULYDEF int64_t uly_recv_bytes(const uly_plan *p, uly_xchg x) {
 }
 
 /* The largest message of any exchange goes from the rank with the most tokens to the rank
-   with the most heads (ranks 0 and 0). */
+   with the most query heads: ranks 0 and 0, as the first S % P and H % P ranks get one more. A
+   rank needs at most one kv head per query head, so KV and DKV blocks are no larger. */
 static uly_status uly__check_peer_bytes(const uly_plan *p, int64_t max_bytes, const char *field) {
     int64_t peer = uly__bytes(p, uly_tokens(p, 0).count, uly_heads(p, 0).count);
     ULY__CHECK(!max_bytes || peer <= max_bytes, ULY_EOVERFLOW,
@@ -849,7 +865,7 @@ static uly_status uly__check_desc(const uly_plan_desc *d) {
 /* ---------------------------------------------------------------------------------------------
    Buffers: what the forward saves for the backward, and the layer's scratch */
 
-/* Head-layout tensors of this rank: q and o [B, S, H_r, D], k and v [B, S, KVH_r, D]. */
+/* Head-layout tensors of this rank: q and o [B, S, H_r, D], k and v [B, S, Hkv_r, D]. */
 typedef struct uly__heads {
     uly_tensor q, k, v, o;
 } uly__heads;
