@@ -680,8 +680,53 @@ static uly_status uly__check_like(const char *name, uly_tensor t, uly_tensor wan
 static int uly__is_kv(uly_xchg x) { return x == ULY_X_KV || x == ULY_X_DKV; }
 static int uly__to_head(uly_xchg x) { return x == ULY_X_Q || x == ULY_X_KV; }
 
-static uly_status uly__check_desc(const uly_plan_desc *d);
-static int64_t uly__bytes(const uly_plan *p, int64_t tokens, int64_t heads);
+/* n items over P ranks in order, the first n % P ranks one more. */
+static uly_range uly__split(int64_t n, int P, int r) {
+    uly_range g;
+    int64_t q = n / P, m = n % P;
+    g.start = r * q + uly__min(r, m);
+    g.count = q + (r < m);
+    return g;
+}
+
+static uly_range uly__none(void) {
+    uly_range g = {0, 0};
+    return g;
+}
+
+/* The plan's rules: any S >= P and H >= P (no padding), Hkv dividing H. */
+static uly_status uly__check_desc(const uly_plan_desc *d) {
+    int P = d->sp_size;
+    ULY__CHECK(P >= 1 && P <= ULY_MAX_SP, ULY_EINVAL, "sp_size (%d) must be in [1, %d]", P,
+               ULY_MAX_SP);
+    ULY__CHECK(d->world_size >= 1 && d->world_size % P == 0, ULY_EINVAL,
+               "world_size (%d) must be a positive multiple of sp_size (%d)", d->world_size, P);
+    ULY__CHECK(d->rank >= 0 && d->rank < d->world_size, ULY_EINVAL,
+               "rank (%d) must be in [0, world_size (%d))", d->rank, d->world_size);
+    ULY__CHECK(d->batch >= 1, ULY_EINVAL, "batch (%lld) must be >= 1", ULY__LL(d->batch));
+    ULY__CHECK(d->seq_len >= P, ULY_EINVAL,
+               "sp_size (%d) > seq_len (%lld): every rank needs at least one token", P,
+               ULY__LL(d->seq_len));
+    ULY__CHECK(d->n_heads >= P, ULY_EINVAL,
+               "sp_size (%d) > n_heads (%lld): every rank needs at least one query head", P,
+               ULY__LL(d->n_heads));
+    ULY__CHECK(d->n_kv_heads >= 1 && d->n_heads % d->n_kv_heads == 0, ULY_EINVAL,
+               "n_kv_heads (%lld) must divide n_heads (%lld) (0 means n_heads)",
+               ULY__LL(d->n_kv_heads), ULY__LL(d->n_heads));
+    ULY__CHECK(d->head_dim >= 1, ULY_EINVAL, "head_dim (%lld) must be >= 1",
+               ULY__LL(d->head_dim));
+    ULY__CHECK(uly_dtype_size(d->dtype), ULY_EINVAL, "dtype (%d) is not a uly_dtype",
+               (int)d->dtype);
+    ULY__CHECK(d->max_bytes >= 0, ULY_EINVAL, "max_bytes (%lld) must be >= 0 (0 = no limit)",
+               ULY__LL(d->max_bytes));
+    return uly__ok();
+}
+
+/* Bytes of a [B, tokens, heads, D] block. */
+static int64_t uly__bytes(const uly_plan *p, int64_t tokens, int64_t heads) {
+    int64_t n = uly__mul(p->desc.batch, tokens);
+    return uly__mul(uly__mul(uly__mul(n, heads), p->desc.head_dim), p->elem_size);
+}
 
 static int uly__same_desc(const uly_plan_desc *a, const uly_plan_desc *b) {
     return a->world_size == b->world_size && a->rank == b->rank && a->sp_size == b->sp_size &&
@@ -702,20 +747,6 @@ static int uly__plan_ok(const uly_plan *p) {
            p->elem_size == uly_dtype_size(p->desc.dtype) &&
            uly__bytes(p, p->desc.seq_len,
                       uly__add(p->desc.n_heads, uly__mul(2, p->desc.n_kv_heads))) >= 0;
-}
-
-/* n items over P ranks in order, the first n % P ranks one more. */
-static uly_range uly__split(int64_t n, int P, int r) {
-    uly_range g;
-    int64_t q = n / P, m = n % P;
-    g.start = r * q + uly__min(r, m);
-    g.count = q + (r < m);
-    return g;
-}
-
-static uly_range uly__none(void) {
-    uly_range g = {0, 0};
-    return g;
 }
 
 ULYDEF uly_range uly_tokens(const uly_plan *p, int sp_rank) {
@@ -740,20 +771,6 @@ ULYDEF uly_range uly_kv_heads(const uly_plan *p, int sp_rank) {
 /* The heads exchange x moves for an SP rank. */
 static uly_range uly__xheads(const uly_plan *p, uly_xchg x, int r) {
     return uly__is_kv(x) ? uly_kv_heads(p, r) : uly_heads(p, r);
-}
-
-/* A kv head is needed by two ranks when a rank's first query head is not the first of its
-   group; then the DKV exchange sums gradient copies. */
-static int uly__kv_shared(const uly_plan *p) {
-    for (int r = 1; r < p->desc.sp_size; r++)
-        if (uly_heads(p, r).start % p->group) return 1;
-    return 0;
-}
-
-/* Bytes of a [B, tokens, heads, D] block. */
-static int64_t uly__bytes(const uly_plan *p, int64_t tokens, int64_t heads) {
-    int64_t n = uly__mul(p->desc.batch, tokens);
-    return uly__mul(uly__mul(uly__mul(n, heads), p->desc.head_dim), p->elem_size);
 }
 
 /* The two layouts of exchange x on this rank, as dense tensors. */
@@ -832,33 +849,6 @@ static uly_status uly__check_peer_bytes(const uly_plan *p, int64_t max_bytes, co
                "%s (%lld) < %lld bytes, the largest per-peer message (%lld tokens x %lld heads)",
                field, ULY__LL(max_bytes), ULY__LL(peer), ULY__LL(uly_tokens(p, 0).count),
                ULY__LL(uly_heads(p, 0).count));
-    return uly__ok();
-}
-
-static uly_status uly__check_desc(const uly_plan_desc *d) {
-    int P = d->sp_size;
-    ULY__CHECK(P >= 1 && P <= ULY_MAX_SP, ULY_EINVAL, "sp_size (%d) must be in [1, %d]", P,
-               ULY_MAX_SP);
-    ULY__CHECK(d->world_size >= 1 && d->world_size % P == 0, ULY_EINVAL,
-               "world_size (%d) must be a positive multiple of sp_size (%d)", d->world_size, P);
-    ULY__CHECK(d->rank >= 0 && d->rank < d->world_size, ULY_EINVAL,
-               "rank (%d) must be in [0, world_size (%d))", d->rank, d->world_size);
-    ULY__CHECK(d->batch >= 1, ULY_EINVAL, "batch (%lld) must be >= 1", ULY__LL(d->batch));
-    ULY__CHECK(d->seq_len >= P, ULY_EINVAL,
-               "sp_size (%d) > seq_len (%lld): every rank needs at least one token", P,
-               ULY__LL(d->seq_len));
-    ULY__CHECK(d->n_heads >= P, ULY_EINVAL,
-               "sp_size (%d) > n_heads (%lld): every rank needs at least one query head", P,
-               ULY__LL(d->n_heads));
-    ULY__CHECK(d->n_kv_heads >= 1 && d->n_heads % d->n_kv_heads == 0, ULY_EINVAL,
-               "n_kv_heads (%lld) must divide n_heads (%lld) (0 means n_heads)",
-               ULY__LL(d->n_kv_heads), ULY__LL(d->n_heads));
-    ULY__CHECK(d->head_dim >= 1, ULY_EINVAL, "head_dim (%lld) must be >= 1",
-               ULY__LL(d->head_dim));
-    ULY__CHECK(uly_dtype_size(d->dtype), ULY_EINVAL, "dtype (%d) is not a uly_dtype",
-               (int)d->dtype);
-    ULY__CHECK(d->max_bytes >= 0, ULY_EINVAL, "max_bytes (%lld) must be >= 0 (0 = no limit)",
-               ULY__LL(d->max_bytes));
     return uly__ok();
 }
 
@@ -1373,11 +1363,12 @@ static void uly__store(uly_dtype t, char *x, float f) {
 }
 
 /* ---------------------------------------------------------------------------------------------
-   CPU layout: every direction of every exchange is one strided block copy per peer */
+   CPU layout: every direction of every exchange is one strided block copy per peer, but the
+   DKV unpack, which adds up the copies of a kv head that several ranks hold */
 
-/* dst = src, or dst += src in fp32 with add; two views of one shape. Heads, then tokens, that
-   are contiguous in both views are moved as one run. */
-static void uly__move(uly_tensor dst, uly_tensor src, int add) {
+/* dst = src, two views of one shape. Heads, then tokens, that are contiguous in both views are
+   copied as one run. */
+static void uly__move(uly_tensor dst, uly_tensor src) {
     int64_t run = dst.d, nh = dst.h, ns = dst.s, es = uly_dtype_size(dst.dtype);
     ULY_ASSERT(dst.b == src.b && dst.s == src.s && dst.h == src.h && dst.d == src.d);
     if (nh == 1 || (dst.sh == run && src.sh == run)) {
@@ -1386,22 +1377,14 @@ static void uly__move(uly_tensor dst, uly_tensor src, int add) {
     }
     for (int64_t b = 0; b < dst.b; b++)
         for (int64_t s = 0; s < ns; s++)
-            for (int64_t h = 0; h < nh; h++) {
-                char *to = uly__at(dst, b, s, h);
-                const char *from = uly__at(src, b, s, h);
-                if (!add) {
-                    memcpy(to, from, (size_t)(run * es));
-                    continue;
-                }
-                float *t = (float *)to;
-                const float *f = (const float *)from;
-                for (int64_t e = 0; e < run; e++) t[e] += f[e];
-            }
+            for (int64_t h = 0; h < nh; h++)
+                memcpy(uly__at(dst, b, s, h), uly__at(src, b, s, h), (size_t)(run * es));
 }
 
-/* Unpacking DKV when peers share kv heads: head h of t is the sum of the gradient copies of the
-   peers that hold it, widened to fp32, added in peer order and rounded once to t's dtype (what
-   the CUDA kernel computes); a head only one peer holds is copied. */
+/* Unpacking DKV: head h of t is the sum of the gradient copies of the peers that hold it
+   (several when a rank's first query head is not the first of its kv group), widened to fp32,
+   added in peer order and rounded once to t's dtype, as the CUDA kernel computes; a head only
+   one peer holds is copied. */
 static void uly__sum_kv_copies(const uly_plan *p, uly_tensor t, const char *recv) {
     uly_tensor copy[ULY_MAX_SP]; /* peer m's block: its kv heads from start[m] on */
     int64_t start[ULY_MAX_SP], es = uly_dtype_size(t.dtype);
@@ -1417,7 +1400,7 @@ static void uly__sum_kv_copies(const uly_plan *p, uly_tensor t, const char *recv
         int k = j + 1;                         /* k - 1: the last */
         while (k < P && start[k] <= h) k++;
         if (k == j + 1) {
-            uly__move(uly_head_slice(t, h, 1), uly_head_slice(copy[j], h - start[j], 1), 0);
+            uly__move(uly_head_slice(t, h, 1), uly_head_slice(copy[j], h - start[j], 1));
             continue;
         }
         for (int64_t b = 0; b < t.b; b++)
@@ -1459,7 +1442,7 @@ static uly_status uly__check_move(const uly_plan *p, uly_xchg x, int pack, uly_t
 static uly_status uly__cpu_move(const uly_plan *p, uly_xchg x, int pack, uly_tensor t, char *buf) {
     ULY__TRY(uly__check_move(p, x, pack, t, buf));
     const int seq = pack == uly__to_head(x);
-    if (!pack && x == ULY_X_DKV && uly__kv_shared(p)) {
+    if (!pack && x == ULY_X_DKV) {
         uly__sum_kv_copies(p, t, buf);
         return uly__ok();
     }
@@ -1468,7 +1451,7 @@ static uly_status uly__cpu_move(const uly_plan *p, uly_xchg x, int pack, uly_ten
         uly_tensor view = seq ? uly_head_slice(t, hx.start, hx.count)
                               : uly__token_slice(t, tok.start, tok.count);
         uly_tensor blk = uly_dense(buf, t.dtype, view.b, view.s, view.h, view.d);
-        uly__move(pack ? blk : view, pack ? view : blk, 0);
+        uly__move(pack ? blk : view, pack ? view : blk);
         buf += uly__bytes(p, view.s, view.h);
     }
     return uly__ok();
@@ -1786,11 +1769,10 @@ static uly_status uly__cpu_bwd(void *ctx, const uly_attn_args *a) {
                     uly__tile t = uly__tile_at(a, &s, b, i, r0);
                     uly__bwd_tile(&t);
                 }
-                uly__move(group_k, uly_dense(s.hk, ULY_F32, 1, Sk, 1, D), 1);
-                uly__move(group_v, uly_dense(s.hv, ULY_F32, 1, Sk, 1, D), 1);
+                uly__axpy(2 * D * Sk, 1.0f, s.hk, s.gk); /* gk, gv += hk, hv */
             }
-            uly__move(uly__head_of(a->dk, b, kh), group_k, 0);
-            uly__move(uly__head_of(a->dv, b, kh), group_v, 0);
+            uly__move(uly__head_of(a->dk, b, kh), group_k);
+            uly__move(uly__head_of(a->dv, b, kh), group_v);
         }
     return uly__ok();
 }
