@@ -1339,7 +1339,8 @@ static uint16_t uly__f32_to_f16(float x) {
     if (a > 0x7f800000) return 0x7fff;                                /* NaN */
     if (a >= 0x47800000) h = 0x7c00;                                  /* 2^16 and up: inf */
     else if (e >= 113) h = uly__shift_rne(a - (112u << 23), 13);      /* normal: rebias */
-    else if (e >= 102) h = uly__shift_rne((a & 0x7fffff) | 0x800000, (int)(126 - e)); /* 2^-24s */
+    else if (e >= 102) /* subnormal: a multiple of 2^-24 */
+        h = uly__shift_rne((a & 0x7fffff) | 0x800000, (int)(126 - e));
     else h = 0; /* below 2^-25, half the smallest subnormal */
     return (uint16_t)(((u >> 16) & 0x8000) | h);
 }
@@ -1357,9 +1358,13 @@ static float uly__load(uly_dtype t, const char *x) {
 }
 
 static void uly__store(uly_dtype t, char *x, float f) {
-    uint16_t h = t == ULY_BF16 ? uly__f32_to_bf16(f) : uly__f32_to_f16(f);
-    if (t == ULY_F32) memcpy(x, &f, 4);
-    else memcpy(x, &h, 2);
+    uint16_t h;
+    if (t == ULY_F32) {
+        memcpy(x, &f, 4);
+        return;
+    }
+    h = t == ULY_BF16 ? uly__f32_to_bf16(f) : uly__f32_to_f16(f);
+    memcpy(x, &h, 2);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1485,7 +1490,7 @@ ULYDEF uly_layout uly_cpu_layout(void) {
    s_j = scale * q_r . k_j; p = softmax(s), o_r = p V, lse_r = log sum_j exp(s_j). Every row is
    computed by the same loops in the same order whatever tensor it sits in, so attention over a
    rank's heads is bitwise the rows of attention over all heads. K and V of one kv head are
-   transposed to [D][Sk] in the workspace so that the score loops run over contiguous keys. */
+   transposed to [D][keys] in the workspace so that the score loops run over contiguous keys. */
 
 /* The scale softmax_scale stands for (0: 1/sqrt(D)). */
 static float uly__scale_of(float softmax_scale, int64_t head_dim) {
@@ -1560,12 +1565,15 @@ static uly_status uly__check_workspace(const uly_attn_args *a, int64_t need, int
     return uly__ok();
 }
 
-/* Query rows per tile, and keys whose dot products are summed together in registers. */
+/* Query rows per tile, and keys whose dot products are summed together in registers. Speed
+   only: any sizes give bitwise the same results, as every row sums its keys, and every key its
+   rows, in ascending order. 16 floats: a 64-byte cache line, a few vector registers. */
 enum { ULY__TILE = 16, ULY__KEYS = 16 };
 
 /* The scratch, in fp32: K and V transposed to [D][sp] (sp = Sk rounded up to ULY__KEYS, zero
-   past Sk), the kv group's dK and dV and one head's share of them [Sk][D], then p and dp for
-   a tile of rows [ULY__TILE][sp]. The forward uses kt and p. */
+   past Sk), the kv group's dK and dV and one head's share of them [Sk][D] (gk, gv and hk, hv:
+   adjacent pairs, each one memset and one sum), then p and dp for a tile of rows
+   [ULY__TILE][sp]. The forward uses kt and p. */
 typedef struct uly__scratch {
     float *kt, *vt, *gk, *gv, *hk, *hv, *p, *dp;
     int64_t sp;
@@ -1649,6 +1657,11 @@ static uly__tile uly__tile_at(const uly_attn_args *a, const uly__scratch *s, int
     return t;
 }
 
+/* lse [B, H, Sq] of row r of the tile. */
+static float *uly__tile_lse(const uly__tile *t, int64_t r) {
+    return t->a->lse + (t->b * t->a->q.h + t->i) * t->a->q.s + t->r0 + r;
+}
+
 /* out[r][j] = x_r . column j of mt [D][sp] for the tile's rows x_r and j < n[r], each summed
    over d in order: ULY__KEYS keys at a time in registers, for every row in turn while those
    columns of mt are in cache. */
@@ -1656,9 +1669,9 @@ static void uly__tile_dots(const uly__tile *t, uly_tensor x, const float *mt, fl
     const int64_t sp = t->s->sp;
     for (int64_t j0 = 0; j0 < t->keys; j0 += ULY__KEYS)
         for (int64_t r = 0; r < t->R; r++) {
+            if (j0 >= t->n[r]) continue; /* causal: this row sees none of these keys */
             const float *xr = uly__f32(x, t->b, t->r0 + r, t->i);
             float acc[ULY__KEYS] = {0};
-            if (j0 >= t->n[r]) continue; /* causal: this row sees none of these keys */
             for (int64_t d = 0; d < x.d; d++) {
                 const float xd = xr[d], *m = mt + d * sp + j0;
                 for (int u = 0; u < ULY__KEYS; u++) acc[u] += xd * m[u];
@@ -1675,7 +1688,7 @@ static void uly__fwd_tile(const uly__tile *t) {
     uly__tile_dots(t, a->q, t->s->kt, t->s->p);
     for (int64_t r = 0; r < t->R; r++) { /* p = exp(s - max), l = sum p, lse = max + log l */
         float *p = t->s->p + r * sp, *o = uly__f32(a->o, t->b, t->r0 + r, t->i), m = -INFINITY;
-        float *lse = a->lse + (t->b * a->q.h + t->i) * a->q.s + t->r0 + r;
+        float *lse = uly__tile_lse(t, r);
         for (int64_t d = 0; d < D; d++) o[d] = 0;
         l[r] = 0;
         *lse = INFINITY; /* a row that sees no key */
@@ -1709,20 +1722,20 @@ static void uly__bwd_tile(const uly__tile *t) {
         const int64_t row = t->r0 + r;
         const float *o = uly__f32(a->o, t->b, row, t->i);
         const float *dout = uly__f32(a->dout, t->b, row, t->i);
-        const float lse = a->lse[(t->b * a->q.h + t->i) * a->q.s + row];
-        float *p = t->s->p + r * sp, *ds = t->s->dp + r * sp;
+        const float lse = *uly__tile_lse(t, r);
+        float *p = t->s->p + r * sp, *dp = t->s->dp + r * sp;
         float *dq = uly__f32(a->dq, t->b, row, t->i);
         float dsum = 0;
         for (int64_t d = 0; d < D; d++) dq[d] = 0, dsum += dout[d] * o[d];
-        for (int64_t j = 0; j < t->n[r]; j++)
-            p[j] = expf(p[j] * scale - lse), ds[j] = scale * p[j] * (ds[j] - dsum);
+        for (int64_t j = 0; j < t->n[r]; j++) /* dp_j becomes ds_j in place */
+            p[j] = expf(p[j] * scale - lse), dp[j] = scale * p[j] * (dp[j] - dsum);
     }
     for (int64_t j = 0; j < t->keys; j++) {
         const float *k = uly__f32(a->k, t->b, j, t->kh);
         for (int64_t r = 0; r < t->R; r++) {
-            const int64_t row = t->r0 + r;
-            const float ds = t->s->dp[r * sp + j];
             if (j >= t->n[r]) continue;
+            const int64_t row = t->r0 + r;
+            const float ds = t->s->dp[r * sp + j]; /* dp holds ds now */
             uly__axpy(D, ds, k, uly__f32(a->dq, t->b, row, t->i));
             uly__axpy(D, ds, uly__f32(a->q, t->b, row, t->i), t->s->hk + j * D);
             uly__axpy(D, t->s->p[r * sp + j], uly__f32(a->dout, t->b, row, t->i), t->s->hv + j * D);
