@@ -1836,13 +1836,13 @@ static int64_t uly__layer_bytes(const uly_layer *l) {
     uly__heads h;
     int64_t attn = 0;
     if (!l || !uly__plan_ok(l->plan)) return -1;
+    const int64_t layer = uly__work_at(l->plan, NULL, &w);
     if (l->attn.workspace) {
         uly__heads_at(l->plan, NULL, &h);
-        uly__work_at(l->plan, NULL, &w);
         uly_attn_args a = uly__args(l, &h, NULL, &w.grad, NULL, 0);
         attn = l->attn.workspace(l->attn.ctx, &a);
     }
-    return uly__add(uly__work_at(l->plan, NULL, &w), attn);
+    return uly__add(layer, attn);
 }
 
 /* 0 when l cannot be sized; uly_forward says why. */
@@ -1850,18 +1850,26 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l) {
     return uly__max(0, uly__layer_bytes(l));
 }
 
+/* The layer's plan is as uly_plan_init made it, and its comm (not NULL) is the plan's SP group.
+   who prefixes the messages. */
+static uly_status uly__check_group(const char *who, const uly_layer *l) {
+    const uly_plan *p = l->plan;
+    const uly_comm *c = l->comm;
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "%slayer.plan is NULL or not as uly_plan_init made "
+               "it", who);
+    ULY__CHECK(c->size == p->desc.sp_size && c->rank == p->sp_rank, ULY_EINVAL,
+               "%slayer.comm is rank %d of %d, the plan's sp rank %d of %d", who, c->rank,
+               c->size, p->sp_rank, p->desc.sp_size);
+    return uly__ok();
+}
+
 /* The layer's fields and its workspace; *need gets uly_layer_workspace(). */
 static uly_status uly__check_layer(const uly_layer *l, int backward, int64_t *need) {
     ULY__CHECK(l, ULY_EINVAL, "layer is NULL");
+    ULY__CHECK(l->comm, ULY_EINVAL, "layer.comm is NULL");
+    ULY__TRY(uly__check_group("", l));
     const uly_plan *p = l->plan;
     const uly_comm *c = l->comm;
-    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL,
-               "layer.plan is NULL or not as uly_plan_init made it");
-    ULY__CHECK(c, ULY_EINVAL, "layer.comm is NULL");
-    ULY__CHECK(c->size == p->desc.sp_size, ULY_EINVAL, "layer.comm->size (%d) != sp_size (%d)",
-               c->size, p->desc.sp_size);
-    ULY__CHECK(c->rank == p->sp_rank, ULY_EINVAL, "layer.comm->rank (%d) != sp_rank (%d)",
-               c->rank, p->sp_rank);
     ULY__CHECK(c->alltoallv, ULY_EINVAL, "layer.comm->alltoallv is NULL");
     ULY__TRY(uly__check_peer_bytes(p, c->max_bytes, "layer.comm->max_bytes"));
     ULY__CHECK(backward ? l->attn.bwd != NULL : l->attn.fwd != NULL, ULY_EINVAL,
@@ -2004,19 +2012,26 @@ ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *
     return uly__exchange(l, ULY_X_DKV, s.w.grad.v, dv, &s.w);
 }
 
-/* What every rank of a layer must hold alike, the scale as its float's bits; two of the fields
-   are shown as other than numbers. */
-enum { ULY__AGREED = 11, ULY__AGREED_DTYPE = 7, ULY__AGREED_SCALE = 10 };
-static const char *const uly__agreed_names[ULY__AGREED] = {
-    "world_size", "sp_size", "batch", "seq_len", "n_heads", "n_kv_heads", "head_dim", "dtype",
-    "max_bytes", "causal", "softmax_scale"};
+/* What every rank of a layer must hold alike, and how a message shows each value: the scale
+   travels as its float's bits. */
+typedef enum uly__shown { ULY__SHOWN_INT, ULY__SHOWN_DTYPE, ULY__SHOWN_FLOAT } uly__shown;
+static const struct {
+    const char *name;
+    uly__shown shown;
+} uly__agreed_fields[] = {
+    {"world_size", ULY__SHOWN_INT}, {"sp_size", ULY__SHOWN_INT},   {"batch", ULY__SHOWN_INT},
+    {"seq_len", ULY__SHOWN_INT},    {"n_heads", ULY__SHOWN_INT},   {"n_kv_heads", ULY__SHOWN_INT},
+    {"head_dim", ULY__SHOWN_INT},   {"dtype", ULY__SHOWN_DTYPE},   {"max_bytes", ULY__SHOWN_INT},
+    {"causal", ULY__SHOWN_INT},     {"softmax_scale", ULY__SHOWN_FLOAT}};
+enum { ULY__AGREED = sizeof uly__agreed_fields / sizeof uly__agreed_fields[0] };
 
 static void uly__agreed(const uly_layer *l, int64_t v[ULY__AGREED]) {
     const uly_plan_desc *d = &l->plan->desc;
     const float scale = uly__scale_of(l->softmax_scale, d->head_dim);
     uint32_t bits;
     memcpy(&bits, &scale, sizeof bits);
-    const int64_t all[ULY__AGREED] = {d->world_size, d->sp_size, d->batch, d->seq_len,
+    const int64_t all[ULY__AGREED] = {/* in uly__agreed_fields' order */
+                                      d->world_size, d->sp_size, d->batch, d->seq_len,
                                       d->n_heads, d->n_kv_heads, d->head_dim, d->dtype,
                                       d->max_bytes, l->causal != 0, bits};
     memcpy(v, all, sizeof all);
@@ -2025,23 +2040,14 @@ static void uly__agreed(const uly_layer *l, int64_t v[ULY__AGREED]) {
 /* Value v of field f, as its message shows it. */
 static const char *uly__agreed_text(int f, int64_t v, char text[32]) {
     const uint32_t bits = (uint32_t)v;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    if (f == ULY__AGREED_SCALE) snprintf(text, 32, "%g", scale);
-    else if (f == ULY__AGREED_DTYPE) snprintf(text, 32, "%s", uly__dtype_name((uly_dtype)v));
-    else snprintf(text, 32, "%lld", ULY__LL(v));
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    switch (uly__agreed_fields[f].shown) {
+    case ULY__SHOWN_FLOAT: snprintf(text, 32, "%g", x); break;
+    case ULY__SHOWN_DTYPE: snprintf(text, 32, "%s", uly__dtype_name((uly_dtype)v)); break;
+    default: snprintf(text, 32, "%lld", ULY__LL(v));
+    }
     return text;
-}
-
-/* What a rank can tell of its layer alone. */
-static uly_status uly__agree_alone(const uly_layer *l) {
-    const uly_comm *c = l->comm;
-    ULY__CHECK(uly__plan_ok(l->plan), ULY_EINVAL,
-               "layer_agree: layer.plan is NULL or not as uly_plan_init made it");
-    ULY__CHECK(c->size == l->plan->desc.sp_size && c->rank == l->plan->sp_rank, ULY_EINVAL,
-               "layer_agree: layer.comm is rank %d of %d, the plan's sp rank %d of %d", c->rank,
-               c->size, l->plan->sp_rank, l->plan->desc.sp_size);
-    return uly__ok();
 }
 
 /* SP rank 0's values reach every rank as a sum to which the others add 0, each int64 in two
@@ -2052,7 +2058,7 @@ ULYDEF uly_status uly_layer_agree(const uly_layer *l) {
     ULY__CHECK(l && l->comm && l->comm->allreduce_sum, ULY_EINVAL, "layer_agree: %s is NULL",
                !l ? "layer" : !l->comm ? "layer.comm" : "layer.comm->allreduce_sum");
     const uly_comm *c = l->comm;
-    const uly_status alone = uly__agree_alone(l);
+    const uly_status alone = uly__check_group("layer_agree: ", l); /* what it can tell alone */
     int64_t mine[ULY__AGREED] = {0}, first = 0;
     double sum[2 * ULY__AGREED + 1] = {0}; /* rank 0's halves, then 1 if it had a layer */
     if (!alone.code) uly__agreed(l, mine);
@@ -2075,8 +2081,8 @@ ULYDEF uly_status uly_layer_agree(const uly_layer *l) {
     ULY__CHECK(rank0, ULY_EINVAL, "layer_agree: sp rank 0 has no valid layer (its message says "
                "why)");
     ULY__CHECK(f == ULY__AGREED, ULY_EINVAL, "layer_agree: %s is %s on this rank (sp rank %d), "
-               "%s on sp rank 0", uly__agreed_names[f], uly__agreed_text(f, mine[f], a), c->rank,
-               uly__agreed_text(f, first, b));
+               "%s on sp rank 0", uly__agreed_fields[f].name, uly__agreed_text(f, mine[f], a),
+               c->rank, uly__agreed_text(f, first, b));
     ULY__CHECK(differ == 0, ULY_EINVAL, "layer_agree: %d of %d sp ranks run another layer than "
                "sp rank 0 or have none (each of them says why)", (int)differ, c->size);
     return uly__ok();

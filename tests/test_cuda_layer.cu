@@ -735,7 +735,7 @@ TEST(layer_rejects_a_communicator_of_the_wrong_size) {
     bad_job j;
     memset(&j, 0, sizeof j);
     j.comm_size_of_plan = 1;
-    check_bad(j, "layer.comm->size (2) != sp_size (1)");
+    check_bad(j, "of 2, the plan's sp rank 0 of 1");
 }
 
 TEST(layer_rejects_tensors_the_plan_does_not_describe) {
