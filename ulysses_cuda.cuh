@@ -69,11 +69,12 @@
        backward needs 161 KB of shared memory per block, which A100 and H100 have and sm_86 and
        sm_89 do not: there it is ULY_EUNSUPPORTED) are built from a few tile primitives, so each
        reads like its algorithm:
-           uly__tile_load / uly__tile_store    global <-> swizzled shared tile (cp.async, 16 B)
+           uly__tile_load / uly__tile_store    global <-> swizzled shared tile, 16-byte chunks
+                                               (the load by cp.async)
            uly__mma_ss / uly__mma_rs           a warp's C += A * B, A from shared memory or
                                                registers
            uly__online_softmax                 FlashAttention's running max and sum, exp2 domain
-           uly__softmax_grad                   P = exp(s - lse), dS = P * (dP - Dsum)
+           uly__softmax_grad                   P = exp(scale * s - lse), dS = P * (dP - Dsum)
        Forward: a block owns BM query rows and streams the key blocks (last first, so only the
        first iterations need the mask); the loads of K and V each overlap the other's GEMM.
        Backward: a pre-pass computes Dsum = rowsum(dout * out) and clears the fp32 dQ
@@ -81,7 +82,7 @@
        every query head of its GQA group (so dK and dV are summed in registers, in a fixed order)
        and adds dQ into the fp32 accumulator with atomics; a post-pass scales and converts dQ.
        Deterministic mode replaces the atomics with a second kernel that owns BM query rows and
-       recomputes P and dS to sum dQ over the key blocks in order: bitwise-identical results,
+       recomputes P and dS to sum dQ over the key blocks in order: identical bits run to run,
        about 1.4x the backward's FLOPs. Tile sizes live in one traits table per head dim
        (uly__fa_traits).
 
@@ -216,13 +217,14 @@ ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v);
 #ifdef ULYSSES_CUBLASLT
 /* The unfused attention on cuBLASLt (include <cublasLt.h> first, link -lcublasLt): S = Q K^T and
    O = P V as batched GEMMs over each GQA group, a masked softmax kernel between them, and the
-   backward the same way (dP = dO V^T, dS = P (dP - Dsum), dQ = dS K, dK and dV summed over the
-   group in fp32). Every intermediate is materialized ([group, Sq, Sk] per kv head at a time),
-   rounded to the dtype as a plain attention does: the GPU-side second reference for the flash
-   kernels, and the fallback for head dims they do not cover (any D <= 256, D % 8 == 0; bf16 and
-   fp16; dense or strided). Deterministic. ctx is the handle, which cuBLASLt ties to the device
-   current when it was created: call with that device current. A product no cuBLASLt kernel runs
-   at its operands' alignment is ULY_EUNSUPPORTED. */
+   backward the same way (dP = dO V^T, dS = scale P (dP - Dsum), dQ = dS K, dK and dV summed
+   over the group in fp32; the flash kernels apply the scale to dQ and dK at the end instead).
+   Every intermediate is materialized ([group, Sq, Sk] per kv head at a time), rounded to the
+   dtype as a plain attention does: the GPU-side second reference for the flash kernels, and
+   the fallback for head dims they do not cover (any D <= 256, D % 8 == 0; bf16 and fp16; dense
+   or strided). Deterministic. ctx is the handle, which cuBLASLt ties to the device current when
+   it was created: call with that device current. A product no cuBLASLt kernel runs at its
+   operands' alignment is ULY_EUNSUPPORTED. */
 ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle);
 #endif
 
@@ -435,6 +437,32 @@ template <typename F> static uly_status uly__by_dtype(uly_dtype t, F f) {
     case ULY_F16: return f(__half());
     default: return f(0.0f);
     }
+}
+
+/* Row (b, s, h) of t: its d elements. */
+template <typename T>
+__host__ __device__ __forceinline__ T *uly__row(const uly_tensor &t, int64_t b, int64_t s,
+                                                int64_t h) {
+    return (T *)t.data + b * t.sb + s * t.ss + h * t.sh;
+}
+
+/* GQA over a rank's share of the heads: local query head h (global q_head0 + h) reads kv head
+   (q_head0 + h) / g, local index counted from the rank's first (ulysses.h's uly__kv_of). */
+__host__ __device__ __forceinline__ int64_t uly__kv_head(int64_t q_head0, int64_t g, int64_t h) {
+    return (q_head0 + h) / g - q_head0 / g;
+}
+
+/* The inverse: the local query heads [first, last) of the nh held that read local kv head hk. */
+struct uly__head_span {
+    int64_t first, last;
+};
+__host__ __device__ __forceinline__ uly__head_span uly__q_heads(int64_t q_head0, int64_t g,
+                                                                int64_t hk, int64_t nh) {
+    const int64_t g0 = q_head0 / g;
+    uly__head_span r;
+    r.first = max((int64_t)0, (hk + g0) * g - q_head0);
+    r.last = min(nh, (hk + g0 + 1) * g - q_head0);
+    return r;
 }
 
 /* The error of the last launch, or of a CUDA call. */
@@ -794,22 +822,24 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
    memory goes to it once the stream is done (as NCCL's, so that a result copied there on the
    stream is what is summed); device memory through a copy on the stream. Given no stream, the
    per-thread default one (as NCCL's: the legacy stream would wait for every rank's work). */
+enum { ULY__DL_CHUNK = 64 }; /* doubles a host round trip carries: a stack buffer */
 static uly_status uly__dl_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
     uly__dl_rank *me = (uly__dl_rank *)ctx;
     cudaStream_t s = stream ? (cudaStream_t)stream : cudaStreamPerThread;
-    double tmp[64];
+    double tmp[ULY__DL_CHUNK];
     int device = 0;
     ULY__TRY(uly__sum_buffer(buf, n, &device));
     if (!device) {
         ULY__TRY(uly__cuda(cudaStreamSynchronize(s), "device-local allreduce_sum"));
         return me->host->allreduce_sum(me->host->ctx, buf, n, NULL);
     }
-    for (int64_t at = 0; at < n; at += 64) {
-        const size_t bytes = (size_t)uly__min(64, n - at) * sizeof(double);
+    for (int64_t at = 0; at < n; at += ULY__DL_CHUNK) {
+        const int64_t m = uly__min(ULY__DL_CHUNK, n - at);
+        const size_t bytes = (size_t)m * sizeof(double);
         cudaError_t e = cudaMemcpyAsync(tmp, buf + at, bytes, cudaMemcpyDefault, s);
         if (!e) e = cudaStreamSynchronize(s);
         ULY__TRY(uly__cuda(e, "device-local allreduce_sum"));
-        ULY__TRY(me->host->allreduce_sum(me->host->ctx, tmp, uly__min(64, n - at), NULL));
+        ULY__TRY(me->host->allreduce_sum(me->host->ctx, tmp, m, NULL));
         e = cudaMemcpyAsync(buf + at, tmp, bytes, cudaMemcpyDefault, s);
         if (!e) e = cudaStreamSynchronize(s);
         ULY__TRY(uly__cuda(e, "device-local allreduce_sum"));
@@ -861,188 +891,6 @@ ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, 
         if (w.done[r]) cudaEventDestroy(w.done[r]);
     }
     return st;
-}
-
-/* ---------------------------------------------------------------------------------------------
-   Reference attention: the contract's formulas, one thread per row, fp32 */
-
-enum { ULY__REF_MAX_D = 256, ULY__REF_THREADS = 64 };
-
-struct uly__ref_params {
-    uly_tensor q, k, v, o, dout, dq, dk, dv;
-    float *lse, *dsum; /* [B, H, Sq] */
-    float scale;
-    int causal;
-    int64_t q_head0, group;
-};
-
-template <typename T>
-__device__ __forceinline__ T *uly__ref_row(const uly_tensor &t, int64_t b, int64_t s, int64_t h) {
-    return (T *)t.data + b * t.sb + s * t.ss + h * t.sh;
-}
-
-template <typename T> __device__ float uly__ref_dot(const T *a, const T *b, int64_t d) {
-    float s = 0.f;
-    for (int64_t i = 0; i < d; i++) s += uly__widen(a[i]) * uly__widen(b[i]);
-    return s;
-}
-
-/* Query row i keeps keys [0, kept): the causal mask is bottom-right aligned. */
-__device__ __forceinline__ int64_t uly__ref_kept(const uly__ref_params &p, int64_t i) {
-    return p.causal ? min(p.k.s, max((int64_t)0, i + p.k.s - p.q.s + 1)) : p.k.s;
-}
-
-__device__ __forceinline__ int64_t uly__ref_kv_head(const uly__ref_params &p, int64_t h) {
-    return (p.q_head0 + h) / p.group - p.q_head0 / p.group;
-}
-
-/* Grid (query rows, H, B). lse and o of a row that keeps no key: +inf and 0. */
-template <typename T>
-__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_fwd(const uly__ref_params p) {
-    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    const int64_t h = blockIdx.y, b = blockIdx.z;
-    if (i >= p.q.s) return;
-    const int64_t hk = uly__ref_kv_head(p, h), n = uly__ref_kept(p, i), D = p.q.d;
-    const T *q = uly__ref_row<T>(p.q, b, i, h);
-    float m = -INFINITY, l = 0.f, acc[ULY__REF_MAX_D];
-    for (int64_t j = 0; j < n; j++)
-        m = fmaxf(m, p.scale * uly__ref_dot(q, uly__ref_row<T>(p.k, b, j, hk), D));
-    for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
-    for (int64_t j = 0; j < n; j++) {
-        const float e = expf(p.scale * uly__ref_dot(q, uly__ref_row<T>(p.k, b, j, hk), D) - m);
-        const T *v = uly__ref_row<T>(p.v, b, j, hk);
-        l += e;
-        for (int64_t d = 0; d < D; d++) acc[d] += e * uly__widen(v[d]);
-    }
-    T *o = uly__ref_row<T>(p.o, b, i, h);
-    for (int64_t d = 0; d < D; d++) o[d] = uly__round<T>(n ? acc[d] / l : 0.f);
-    p.lse[(b * p.q.h + h) * p.q.s + i] = n ? m + logf(l) : INFINITY;
-}
-
-/* Grid (query rows, H, B): Dsum = rowsum(dout * o), and dq = scale * sum_j dS_ij k_j with
-   P_ij = exp(s_ij - lse_i), dS_ij = P_ij (dout_i . v_j - Dsum_i). */
-template <typename T>
-__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_q(const uly__ref_params p) {
-    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    const int64_t h = blockIdx.y, b = blockIdx.z;
-    if (i >= p.q.s) return;
-    const int64_t hk = uly__ref_kv_head(p, h), n = uly__ref_kept(p, i), D = p.q.d;
-    const int64_t row = (b * p.q.h + h) * p.q.s + i;
-    const T *q = uly__ref_row<T>(p.q, b, i, h), *dout = uly__ref_row<T>(p.dout, b, i, h);
-    const float dsum = uly__ref_dot(dout, uly__ref_row<T>(p.o, b, i, h), D), lse = p.lse[row];
-    float acc[ULY__REF_MAX_D];
-    p.dsum[row] = dsum;
-    for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
-    for (int64_t j = 0; j < n; j++) {
-        const T *k = uly__ref_row<T>(p.k, b, j, hk), *v = uly__ref_row<T>(p.v, b, j, hk);
-        const float pr = expf(p.scale * uly__ref_dot(q, k, D) - lse);
-        const float ds = pr * (uly__ref_dot(dout, v, D) - dsum);
-        for (int64_t d = 0; d < D; d++) acc[d] += ds * uly__widen(k[d]);
-    }
-    T *dq = uly__ref_row<T>(p.dq, b, i, h);
-    for (int64_t d = 0; d < D; d++) dq[d] = uly__round<T>(p.scale * acc[d]);
-}
-
-/* Grid (key rows, Hkv, B), after uly__ref_bwd_q wrote Dsum: dv = sum P_ij dout_i and
-   dk = scale * sum dS_ij q_i over the query rows that keep key j, of every query head of the
-   kv head's group. */
-template <typename T>
-__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_kv(const uly__ref_params p) {
-    const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    const int64_t hk = blockIdx.y, b = blockIdx.z;
-    if (j >= p.k.s) return;
-    const int64_t D = p.q.d, g0 = p.q_head0 / p.group;
-    const int64_t h_begin = max((int64_t)0, (hk + g0) * p.group - p.q_head0);
-    const int64_t h_end = min(p.q.h, (hk + g0 + 1) * p.group - p.q_head0);
-    const int64_t i_begin = p.causal ? max((int64_t)0, j - p.k.s + p.q.s) : 0;
-    const T *k = uly__ref_row<T>(p.k, b, j, hk), *v = uly__ref_row<T>(p.v, b, j, hk);
-    float dk[ULY__REF_MAX_D], dv[ULY__REF_MAX_D];
-    for (int64_t d = 0; d < D; d++) dk[d] = dv[d] = 0.f;
-    for (int64_t h = h_begin; h < h_end; h++)
-        for (int64_t i = i_begin; i < p.q.s; i++) {
-            const int64_t row = (b * p.q.h + h) * p.q.s + i;
-            const T *q = uly__ref_row<T>(p.q, b, i, h), *dout = uly__ref_row<T>(p.dout, b, i, h);
-            const float pr = expf(p.scale * uly__ref_dot(q, k, D) - p.lse[row]);
-            const float ds = pr * (uly__ref_dot(dout, v, D) - p.dsum[row]);
-            for (int64_t d = 0; d < D; d++) {
-                dv[d] += pr * uly__widen(dout[d]);
-                dk[d] += ds * uly__widen(q[d]);
-            }
-        }
-    T *dk_out = uly__ref_row<T>(p.dk, b, j, hk), *dv_out = uly__ref_row<T>(p.dv, b, j, hk);
-    for (int64_t d = 0; d < D; d++) {
-        dk_out[d] = uly__round<T>(p.scale * dk[d]);
-        dv_out[d] = uly__round<T>(dv[d]);
-    }
-}
-
-static int64_t uly__ref_workspace(void *ctx, const uly_attn_args *a) {
-    (void)ctx;
-    return a ? uly__mul(uly__mul(uly__mul(a->q.b, a->q.h), a->q.s), 4) : -1; /* Dsum */
-}
-
-/* The contract's checks, then the parameters every kernel reads. */
-static uly_status uly__ref_params_of(const uly_attn_args *a, int backward, uly__ref_params *p) {
-    ULY__TRY(uly_attn_check(a, backward));
-    ULY__CHECK(a->q.d <= ULY__REF_MAX_D, ULY_EUNSUPPORTED, "reference attention: q.d (%lld) > "
-               "%d", ULY__LL(a->q.d), ULY__REF_MAX_D);
-    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535 && a->k.h <= 65535, ULY_EUNSUPPORTED,
-               "reference attention: q.b (%lld), q.h (%lld) and k.h (%lld) must be <= 65535 "
-               "(grid dims)", ULY__LL(a->q.b), ULY__LL(a->q.h), ULY__LL(a->k.h));
-    if (backward) ULY__TRY(uly__check_workspace(a, uly__ref_workspace(NULL, a), 4)); /* Dsum */
-    p->q = a->q, p->k = a->k, p->v = a->v, p->o = a->o;
-    p->dout = a->dout, p->dq = a->dq, p->dk = a->dk, p->dv = a->dv;
-    p->lse = a->lse;
-    p->dsum = (float *)a->workspace;
-    p->scale = uly__scale(a);
-    p->causal = a->causal;
-    p->q_head0 = a->q_head0;
-    p->group = uly__group(a);
-    return uly__ok();
-}
-
-static dim3 uly__ref_grid(int64_t rows, int64_t heads, int64_t batch) {
-    return dim3((unsigned)((rows + ULY__REF_THREADS - 1) / ULY__REF_THREADS), (unsigned)heads,
-                (unsigned)batch);
-}
-
-static uly_status uly__ref_fwd_call(void *ctx, const uly_attn_args *a) {
-    uly__ref_params p;
-    (void)ctx;
-    ULY__TRY(uly__ref_params_of(a, 0, &p));
-    return uly__by_dtype(a->q.dtype, [&](auto tag) {
-        typedef decltype(tag) T;
-        ULY_LAUNCH(uly__ref_fwd<T>, uly__ref_grid(p.q.s, p.q.h, p.q.b), dim3(ULY__REF_THREADS),
-                   0, (cudaStream_t)a->stream, p);
-        return uly__cuda(cudaGetLastError(), "reference attention forward");
-    });
-}
-
-static uly_status uly__ref_bwd_call(void *ctx, const uly_attn_args *a) {
-    uly__ref_params p;
-    (void)ctx;
-    ULY__TRY(uly__ref_params_of(a, 1, &p));
-    return uly__by_dtype(a->q.dtype, [&](auto tag) {
-        typedef decltype(tag) T;
-        cudaStream_t s = (cudaStream_t)a->stream;
-        ULY_LAUNCH(uly__ref_bwd_q<T>, uly__ref_grid(p.q.s, p.q.h, p.q.b), dim3(ULY__REF_THREADS),
-                   0, s, p);
-        ULY_LAUNCH(uly__ref_bwd_kv<T>, uly__ref_grid(p.k.s, p.k.h, p.q.b), dim3(ULY__REF_THREADS),
-                   0, s, p);
-        return uly__cuda(cudaGetLastError(), "reference attention backward");
-    });
-}
-
-static uly_status uly__ref_check(void *ctx, const uly_attn_args *a, int backward) {
-    uly__ref_params p;
-    (void)ctx;
-    return uly__ref_params_of(a, backward, &p);
-}
-
-ULYDEF uly_attn uly_cuda_reference_attention(void) {
-    uly_attn a = {uly__ref_fwd_call, uly__ref_bwd_call, uly__ref_workspace, NULL, uly__ref_check,
-                  1};
-    return a;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1258,23 +1106,194 @@ ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s)
 
 #endif /* ULYSSES_NCCL */
 
-#include <stdarg.h>
-#include <stdio.h>
+/* ---------------------------------------------------------------------------------------------
+   Reference attention: the contract's formulas, one thread per row, fp32 */
 
-/* Tile sizes per head dim, in one place. fwd: a block owns BM query rows (16*MT per warp) and
-   streams BN keys. bwd: a block owns BN keys and streams BM query rows (its warp grids are in
-   uly__flash_bwd_kv). dq (the deterministic dQ kernel): a block owns BM query rows and streams
-   BN keys. */
+enum { ULY__REF_MAX_D = 256, ULY__REF_THREADS = 64 };
+
+struct uly__ref_params {
+    uly_tensor q, k, v, o, dout, dq, dk, dv;
+    float *lse, *dsum; /* [B, H, Sq] */
+    float scale;
+    int causal;
+    int64_t q_head0, group;
+};
+
+template <typename T> __device__ float uly__ref_dot(const T *a, const T *b, int64_t d) {
+    float s = 0.f;
+    for (int64_t i = 0; i < d; i++) s += uly__widen(a[i]) * uly__widen(b[i]);
+    return s;
+}
+
+/* Query row i keeps keys [0, kept): the causal mask is bottom-right aligned. */
+__device__ __forceinline__ int64_t uly__ref_kept(const uly__ref_params &p, int64_t i) {
+    return p.causal ? min(p.k.s, max((int64_t)0, i + p.k.s - p.q.s + 1)) : p.k.s;
+}
+
+/* Grid (query rows, H, B). lse and o of a row that keeps no key: +inf and 0. */
+template <typename T>
+__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_fwd(const uly__ref_params p) {
+    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    if (i >= p.q.s) return;
+    const int64_t hk = uly__kv_head(p.q_head0, p.group, h), n = uly__ref_kept(p, i), D = p.q.d;
+    const T *q = uly__row<T>(p.q, b, i, h);
+    float m = -INFINITY, l = 0.f, acc[ULY__REF_MAX_D];
+    for (int64_t j = 0; j < n; j++)
+        m = fmaxf(m, p.scale * uly__ref_dot(q, uly__row<T>(p.k, b, j, hk), D));
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+        const float e = expf(p.scale * uly__ref_dot(q, uly__row<T>(p.k, b, j, hk), D) - m);
+        const T *v = uly__row<T>(p.v, b, j, hk);
+        l += e;
+        for (int64_t d = 0; d < D; d++) acc[d] += e * uly__widen(v[d]);
+    }
+    T *o = uly__row<T>(p.o, b, i, h);
+    for (int64_t d = 0; d < D; d++) o[d] = uly__round<T>(n ? acc[d] / l : 0.f);
+    p.lse[(b * p.q.h + h) * p.q.s + i] = n ? m + logf(l) : INFINITY;
+}
+
+/* Grid (query rows, H, B): Dsum = rowsum(dout * o), and dq = scale * sum_j dS_ij k_j with
+   P_ij = exp(s_ij - lse_i), dS_ij = P_ij (dout_i . v_j - Dsum_i). */
+template <typename T>
+__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_q(const uly__ref_params p) {
+    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    if (i >= p.q.s) return;
+    const int64_t hk = uly__kv_head(p.q_head0, p.group, h), n = uly__ref_kept(p, i), D = p.q.d;
+    const int64_t row = (b * p.q.h + h) * p.q.s + i;
+    const T *q = uly__row<T>(p.q, b, i, h), *dout = uly__row<T>(p.dout, b, i, h);
+    const float dsum = uly__ref_dot(dout, uly__row<T>(p.o, b, i, h), D), lse = p.lse[row];
+    float acc[ULY__REF_MAX_D];
+    p.dsum[row] = dsum;
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+        const T *k = uly__row<T>(p.k, b, j, hk), *v = uly__row<T>(p.v, b, j, hk);
+        const float pr = expf(p.scale * uly__ref_dot(q, k, D) - lse);
+        const float ds = pr * (uly__ref_dot(dout, v, D) - dsum);
+        for (int64_t d = 0; d < D; d++) acc[d] += ds * uly__widen(k[d]);
+    }
+    T *dq = uly__row<T>(p.dq, b, i, h);
+    for (int64_t d = 0; d < D; d++) dq[d] = uly__round<T>(p.scale * acc[d]);
+}
+
+/* Grid (key rows, Hkv, B), after uly__ref_bwd_q wrote Dsum: dv = sum P_ij dout_i and
+   dk = scale * sum dS_ij q_i over the query rows that keep key j, of every query head of the
+   kv head's group. */
+template <typename T>
+__global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_kv(const uly__ref_params p) {
+    const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t hk = blockIdx.y, b = blockIdx.z;
+    if (j >= p.k.s) return;
+    const int64_t D = p.q.d;
+    const uly__head_span heads = uly__q_heads(p.q_head0, p.group, hk, p.q.h);
+    const int64_t i_begin = p.causal ? max((int64_t)0, j - p.k.s + p.q.s) : 0;
+    const T *k = uly__row<T>(p.k, b, j, hk), *v = uly__row<T>(p.v, b, j, hk);
+    float dk[ULY__REF_MAX_D], dv[ULY__REF_MAX_D];
+    for (int64_t d = 0; d < D; d++) dk[d] = dv[d] = 0.f;
+    for (int64_t h = heads.first; h < heads.last; h++)
+        for (int64_t i = i_begin; i < p.q.s; i++) {
+            const int64_t row = (b * p.q.h + h) * p.q.s + i;
+            const T *q = uly__row<T>(p.q, b, i, h), *dout = uly__row<T>(p.dout, b, i, h);
+            const float pr = expf(p.scale * uly__ref_dot(q, k, D) - p.lse[row]);
+            const float ds = pr * (uly__ref_dot(dout, v, D) - p.dsum[row]);
+            for (int64_t d = 0; d < D; d++) {
+                dv[d] += pr * uly__widen(dout[d]);
+                dk[d] += ds * uly__widen(q[d]);
+            }
+        }
+    T *dk_out = uly__row<T>(p.dk, b, j, hk), *dv_out = uly__row<T>(p.dv, b, j, hk);
+    for (int64_t d = 0; d < D; d++) {
+        dk_out[d] = uly__round<T>(p.scale * dk[d]);
+        dv_out[d] = uly__round<T>(dv[d]);
+    }
+}
+
+static int64_t uly__ref_workspace(void *ctx, const uly_attn_args *a) {
+    (void)ctx;
+    return a ? uly__mul(uly__mul(uly__mul(a->q.b, a->q.h), a->q.s), 4) : -1; /* Dsum */
+}
+
+/* The contract's checks, then the parameters every kernel reads. */
+static uly_status uly__ref_params_of(const uly_attn_args *a, int backward, uly__ref_params *p) {
+    ULY__TRY(uly_attn_check(a, backward));
+    ULY__CHECK(a->q.d <= ULY__REF_MAX_D, ULY_EUNSUPPORTED, "reference attention: q.d (%lld) > "
+               "%d", ULY__LL(a->q.d), ULY__REF_MAX_D);
+    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535 && a->k.h <= 65535, ULY_EUNSUPPORTED,
+               "reference attention: q.b (%lld), q.h (%lld) and k.h (%lld) must be <= 65535 "
+               "(grid dims)", ULY__LL(a->q.b), ULY__LL(a->q.h), ULY__LL(a->k.h));
+    if (backward) ULY__TRY(uly__check_workspace(a, uly__ref_workspace(NULL, a), 4)); /* Dsum */
+    p->q = a->q, p->k = a->k, p->v = a->v, p->o = a->o;
+    p->dout = a->dout, p->dq = a->dq, p->dk = a->dk, p->dv = a->dv;
+    p->lse = a->lse;
+    p->dsum = (float *)a->workspace;
+    p->scale = uly__scale(a);
+    p->causal = a->causal;
+    p->q_head0 = a->q_head0;
+    p->group = uly__group(a);
+    return uly__ok();
+}
+
+static dim3 uly__ref_grid(int64_t rows, int64_t heads, int64_t batch) {
+    return dim3((unsigned)((rows + ULY__REF_THREADS - 1) / ULY__REF_THREADS), (unsigned)heads,
+                (unsigned)batch);
+}
+
+static uly_status uly__ref_fwd_call(void *ctx, const uly_attn_args *a) {
+    uly__ref_params p;
+    (void)ctx;
+    ULY__TRY(uly__ref_params_of(a, 0, &p));
+    return uly__by_dtype(a->q.dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        ULY_LAUNCH(uly__ref_fwd<T>, uly__ref_grid(p.q.s, p.q.h, p.q.b), dim3(ULY__REF_THREADS),
+                   0, (cudaStream_t)a->stream, p);
+        return uly__cuda(cudaGetLastError(), "reference attention forward");
+    });
+}
+
+static uly_status uly__ref_bwd_call(void *ctx, const uly_attn_args *a) {
+    uly__ref_params p;
+    (void)ctx;
+    ULY__TRY(uly__ref_params_of(a, 1, &p));
+    return uly__by_dtype(a->q.dtype, [&](auto tag) {
+        typedef decltype(tag) T;
+        cudaStream_t s = (cudaStream_t)a->stream;
+        ULY_LAUNCH(uly__ref_bwd_q<T>, uly__ref_grid(p.q.s, p.q.h, p.q.b), dim3(ULY__REF_THREADS),
+                   0, s, p);
+        ULY_LAUNCH(uly__ref_bwd_kv<T>, uly__ref_grid(p.k.s, p.k.h, p.q.b), dim3(ULY__REF_THREADS),
+                   0, s, p);
+        return uly__cuda(cudaGetLastError(), "reference attention backward");
+    });
+}
+
+static uly_status uly__ref_check(void *ctx, const uly_attn_args *a, int backward) {
+    uly__ref_params p;
+    (void)ctx;
+    return uly__ref_params_of(a, backward, &p);
+}
+
+ULYDEF uly_attn uly_cuda_reference_attention(void) {
+    uly_attn a = {uly__ref_fwd_call, uly__ref_bwd_call, uly__ref_workspace, NULL, uly__ref_check,
+                  1};
+    return a;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Flash attention: tile sizes, parameters, grid order */
+
+/* Tile sizes per head dim, in one place, named as the kernels. fwd and bwd_q (the deterministic
+   dQ kernel): a block owns BM query rows (16*MT per warp) and streams BN keys. bwd_kv: a block
+   owns BN keys and streams BM query rows (its warp grids are in uly__flash_bwd_kv). */
 template <int D> struct uly__fa_traits;
 template <> struct uly__fa_traits<64> {
     struct fwd { enum { BM = 128, BN = 64, WARPS = 4 }; };
-    struct bwd { enum { BM = 64, BN = 128, WARPS = 8 }; };
-    struct dq { enum { BM = 64, BN = 128, WARPS = 4 }; };
+    struct bwd_kv { enum { BM = 64, BN = 128, WARPS = 8 }; };
+    struct bwd_q { enum { BM = 64, BN = 128, WARPS = 4 }; };
 };
 template <> struct uly__fa_traits<128> {
     struct fwd { enum { BM = 128, BN = 64, WARPS = 4 }; };
-    struct bwd { enum { BM = 64, BN = 128, WARPS = 8 }; };
-    struct dq { enum { BM = 64, BN = 64, WARPS = 4 }; };
+    struct bwd_kv { enum { BM = 64, BN = 128, WARPS = 8 }; };
+    struct bwd_q { enum { BM = 64, BN = 64, WARPS = 4 }; };
 };
 
 /* Dynamic shared memory of each kernel, in bytes (the layouts are in the kernels). */
@@ -1283,18 +1302,18 @@ template <int D> constexpr size_t uly__fa_fwd_smem() {
     return (size_t)(F::BM + 2 * F::BN) * D * 2;
 }
 template <int D> constexpr size_t uly__fa_bwd_kv_smem() {
-    using B = typename uly__fa_traits<D>::bwd;
+    using B = typename uly__fa_traits<D>::bwd_kv;
     return (size_t)(2 * B::BN * D + 4 * B::BM * D + 2 * B::BM * B::BN) * 2 +
            4 * B::BM * sizeof(float);
 }
 template <int D> constexpr size_t uly__fa_bwd_q_smem() {
-    using Q = typename uly__fa_traits<D>::dq;
+    using Q = typename uly__fa_traits<D>::bwd_q;
     return (size_t)(2 * Q::BM + 4 * Q::BN) * D * 2;
 }
 
 /* Everything a kernel needs, by value in its parameters. Tensors are uly_tensor views; for
-   varlen, b is 0 and rows are offset by cu_seqlens. lse, Dsum and the dQ accumulator of query
-   row i of head h in batch b sit at b * lse_sb + h * lse_sh + i (times D for dQ). */
+   varlen, b is 0 and rows are offset by cu_seqlens. lse, Dsum and the dQ accumulator are indexed
+   by query row (uly__fa_qrow). */
 struct uly__fa_params {
     uly_tensor q, k, v, o, dout, dq, dk, dv;
     float *lse;
@@ -1354,13 +1373,10 @@ static __global__ void __launch_bounds__(256)
     }
 }
 
-template <typename T>
-__device__ __forceinline__ T *uly__fa_row(const uly_tensor &t, int64_t b, int64_t s, int64_t h) {
-    return (T *)t.data + b * t.sb + s * t.ss + h * t.sh;
-}
-
-__device__ __forceinline__ int64_t uly__fa_lse_index(const uly__fa_params &p, const uly__fa_seq &s,
-                                                     int64_t h, int row) {
+/* Query row `row` of head h in the fp32 per-row arrays: lse and Dsum (times D: the dQ
+   accumulator). */
+__device__ __forceinline__ int64_t uly__fa_qrow(const uly__fa_params &p, const uly__fa_seq &s,
+                                                int64_t h, int row) {
     return s.b * p.lse_sb + h * p.lse_sh + s.q0 + row;
 }
 
@@ -1368,18 +1384,15 @@ __device__ __forceinline__ int64_t uly__fa_lse_index(const uly__fa_params &p, co
    fastest, so the i-th block of every (head, sequence) starts before any's (i+1)-th, and each
    kernel orders its blocks longest first under a causal mask (the last query blocks see the most
    keys, the first key blocks the most queries): the whole grid starts longest first and ends on
-   short blocks. Head by head, the grid (blocks, heads, sequences), the long blocks of the last
-   heads would start last: a list schedule of 16 heads of 128 causal query blocks on an H100's
-   264 forward slots (2 per SM) then ends at 89% of the ideal time, against 99.6% this way
-   (bench/RESULTS.md). The price: z is at most 65535 blocks (uly__fa_setup). */
+   short blocks. With (blocks, heads, sequences) the grid would run head by head and start the
+   last heads' long blocks last: for 16 heads of 128 causal query blocks on an H100's 264
+   forward slots (2 per SM), a list schedule then ends at 89% of the ideal time, against 99.6%
+   this way (bench/RESULTS.md). The price: z is at most 65535 blocks (ULY__FA_MAX_ROWS). The
+   row passes (Dsum, dQ's conversion) keep (rows, heads, sequences): their blocks are alike. */
 
 /* The query block a block of the forward and dQ grids owns: the last first. */
 __device__ __forceinline__ int uly__fa_query_block() { return (int)(gridDim.z - 1 - blockIdx.z); }
 
-/* The local kv head of local query head h: (q_head0 + h) / g - q_head0 / g. */
-__device__ __forceinline__ int64_t uly__fa_kv_head(const uly__fa_params &p, int64_t h) {
-    return (p.q_head0 + h) / p.kv_group - p.q_head0 / p.kv_group;
-}
 
 /* ---------------------------------------------------------------------------------------------
    Tile primitives. A shared tile holds R rows of W 16-bit elements, row-major, with its 16-byte
@@ -1391,19 +1404,19 @@ template <int W> __device__ __forceinline__ uint32_t uly__swz(int r, int c) {
     return (uint32_t)(r * W * 2 + ((c ^ (r & 7)) << 4));
 }
 
-/* The chunks a thread moves between a tile and global memory: rounds of NT threads cover
-   NT / CH whole rows (a multiple of 8, so the swizzle of a thread's chunk is the same in every
+/* The chunks a thread moves between a tile and global memory: rounds of THREADS threads cover
+   THREADS / CH whole rows (a multiple of 8, so the swizzle of a thread's chunk is the same in every
    round), and a thread keeps one chunk column. */
-template <int R, int W, int NT> struct uly__tile_split {
-    enum { CH = W / 8, ROWS = NT / CH, ROUNDS = R / ROWS };
-    static_assert(NT % CH == 0 && ROWS % 8 == 0 && R % ROWS == 0, "whole swizzle periods");
+template <int R, int W, int THREADS> struct uly__tile_split {
+    enum { CH = W / 8, ROWS = THREADS / CH, ROUNDS = R / ROWS };
+    static_assert(THREADS % CH == 0 && ROWS % 8 == 0 && R % ROWS == 0, "whole swizzle periods");
 };
 
 /* cp.async rows g, g + stride, ... into the tile at s; rows at or past `valid` (>= 1) read
-   nothing and are zero-filled. The block's NT threads share the work. */
-template <int R, int W, int NT, typename T>
+   nothing and are zero-filled. The block's THREADS threads share the work. */
+template <int R, int W, int THREADS, typename T>
 __device__ __forceinline__ void uly__tile_load(uint32_t s, const T *g, int64_t stride, int valid) {
-    using S = uly__tile_split<R, W, NT>;
+    using S = uly__tile_split<R, W, THREADS>;
     const int r = (int)threadIdx.x / S::CH, c = (int)threadIdx.x % S::CH;
     const T *src = g + r * stride + c * 8;
     s += uly__swz<W>(r, c);
@@ -1415,10 +1428,10 @@ __device__ __forceinline__ void uly__tile_load(uint32_t s, const T *g, int64_t s
 }
 
 /* The tile at s to global rows g, g + stride, ..., the first `valid` of them. */
-template <int R, int W, int NT, typename T>
+template <int R, int W, int THREADS, typename T>
 __device__ __forceinline__ void uly__tile_store(T *g, int64_t stride, int valid,
                                                 const unsigned char *s) {
-    using S = uly__tile_split<R, W, NT>;
+    using S = uly__tile_split<R, W, THREADS>;
     const int r = (int)threadIdx.x / S::CH, c = (int)threadIdx.x % S::CH;
     T *dst = g + r * stride + c * 8;
     s += uly__swz<W>(r, c);
@@ -1712,7 +1725,7 @@ __device__ __forceinline__ void uly__fa_mask(float (&sc)[MT][NT][4], bool causal
 /* The block's output rows [m0, m0 + BM) of head h, from each warp's fragments (its rows from
    wm): staged as T over the Q tile at smem once every warp is done with it, then stored as
    whole rows. */
-template <typename T, int BM, int D, int NT, int MT>
+template <typename T, int BM, int D, int THREADS, int MT>
 __device__ __forceinline__ void uly__fa_store_rows(const float (&acc)[MT][D / 8][4],
                                                    const uly_tensor &t, const uly__fa_seq &s,
                                                    int64_t h, int m0, int wm,
@@ -1721,25 +1734,25 @@ __device__ __forceinline__ void uly__fa_store_rows(const float (&acc)[MT][D / 8]
     __syncthreads(); /* every warp is done with Q */
     uly__frag_store<T, D>(smem, wm, 0, acc);
     __syncthreads();
-    uly__tile_store<BM, D, NT>(uly__fa_row<T>(t, s.b, s.q0 + m0, h), t.ss, s.sq - m0, smem);
+    uly__tile_store<BM, D, THREADS>(uly__row<T>(t, s.b, s.q0 + m0, h), t.ss, s.sq - m0, smem);
 }
 
 #define ULY__LOG2E 1.4426950408889634f
 
 /* ---------------------------------------------------------------------------------------------
-   Kernels */
+   Flash attention kernels */
 
 /* Forward. Grid (H, B, query blocks). */
 template <typename T, int D>
 __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
     uly__flash_fwd(const uly__fa_params p) {
     using C = typename uly__fa_traits<D>::fwd;
-    constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
+    constexpr int BM = C::BM, BN = C::BN, THREADS = C::WARPS * 32, MT = BM / (16 * C::WARPS);
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.y);
     const int m0 = uly__fa_query_block() * BM;
     if (m0 >= s.sq) return;
-    const int64_t h = blockIdx.x, hk = uly__fa_kv_head(p, h);
-    const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
+    const int64_t h = blockIdx.x, hk = uly__kv_head(p.q_head0, p.kv_group, h);
+    const T *k = uly__row<T>(p.k, s.b, s.k0, hk), *v = uly__row<T>(p.v, s.b, s.k0, hk);
 
     ULY_DYN_SMEM(unsigned char, smem); /* Q [BM][D], K [BN][D], V [BN][D] */
     const uint32_t sQ = uly_smem_addr(smem), sK = sQ + BM * D * 2, sV = sK + BN * D * 2;
@@ -1747,10 +1760,10 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
     const int diag = s.sk - s.sq;
     const int n_blocks = uly__fa_key_blocks<BM, BN>(p.causal, s.sk, diag, m0);
 
-    uly__tile_load<BM, D, NT>(sQ, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
+    uly__tile_load<BM, D, THREADS>(sQ, uly__row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
     if (n_blocks > 0) {
         const int n0 = (n_blocks - 1) * BN;
-        uly__tile_load<BN, D, NT>(sK, k + n0 * p.k.ss, p.k.ss, s.sk - n0);
+        uly__tile_load<BN, D, THREADS>(sK, k + n0 * p.k.ss, p.k.ss, s.sk - n0);
     }
     uly_cp_async_commit();
 
@@ -1761,7 +1774,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
         const int n0 = j * BN;
         uly_cp_async_wait_all();
         __syncthreads(); /* K[j] is in; every warp is done with V[j + 1] */
-        uly__tile_load<BN, D, NT>(sV, v + n0 * p.v.ss, p.v.ss, s.sk - n0);
+        uly__tile_load<BN, D, THREADS>(sV, v + n0 * p.v.ss, p.v.ss, s.sk - n0);
         uly_cp_async_commit();
 
         float sc[MT][BN / 8][4];
@@ -1772,7 +1785,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
 
         uly_cp_async_wait_all();
         __syncthreads(); /* V[j] is in; every warp is done with K[j] */
-        if (j > 0) uly__tile_load<BN, D, NT>(sK, k + (n0 - BN) * p.k.ss, p.k.ss, s.sk - n0 + BN);
+        if (j > 0)
+            uly__tile_load<BN, D, THREADS>(sK, k + (n0 - BN) * p.k.ss, p.k.ss, s.sk - n0 + BN);
         uly_cp_async_commit();
         uint32_t pa[MT][BN / 16][4];
         uly__frag_to_a<T>(pa, sc);
@@ -1787,22 +1801,27 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 const int r = wm + 16 * mt + uly__frag_row(2 * hf);
-                if (m0 + r < s.sq) p.lse[uly__fa_lse_index(p, s, h, m0 + r)] = lse[mt][hf];
+                if (m0 + r < s.sq) p.lse[uly__fa_qrow(p, s, h, m0 + r)] = lse[mt][hf];
             }
-    uly__fa_store_rows<T, BM, D, NT>(o, p.o, s, h, m0, wm, smem);
+    uly__fa_store_rows<T, BM, D, THREADS>(o, p.o, s, h, m0, wm, smem);
 }
 
-/* Backward pre-pass: Dsum = rowsum(dout * out) in fp32, one warp per query row, and the row's
-   dQ accumulator cleared (when there is one). Grid (query rows / 4, H, B), 128 threads. This
-   and the post-pass move 16-byte chunks: uly__fa_setup requires 16-byte rows. */
+/* The row passes (the backward's pre- and post-pass): one warp a query row, ULY__ROW_WARPS rows
+   a block, grid (query rows / ULY__ROW_WARPS, H, sequences). They move rows in 16-byte chunks
+   (D % 8 == 0: uly__fa_setup and uly__lt_check require it). */
+enum { ULY__ROW_WARPS = 4 };
+
+/* Backward pre-pass: Dsum = rowsum(dout * out) in fp32, and the row's dQ accumulator cleared
+   (when there is one). */
 template <typename T>
-__global__ void __launch_bounds__(128) uly__flash_bwd_pre(const uly__fa_params p) {
+__global__ void __launch_bounds__(ULY__ROW_WARPS * 32) uly__flash_bwd_pre(const uly__fa_params p) {
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
-    const int row = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
+    const int row = (int)(blockIdx.x * ULY__ROW_WARPS + threadIdx.x / 32);
+    const int lane = (int)(threadIdx.x & 31);
     if (row >= s.sq) return;
-    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_lse_index(p, s, h, row);
-    const T *o = uly__fa_row<T>(p.o, s.b, s.q0 + row, h);
-    const T *dout = uly__fa_row<T>(p.dout, s.b, s.q0 + row, h);
+    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_qrow(p, s, h, row);
+    const T *o = uly__row<T>(p.o, s.b, s.q0 + row, h);
+    const T *dout = uly__row<T>(p.dout, s.b, s.q0 + row, h);
     float acc = 0.f;
     for (int64_t c = 8 * lane; c < d; c += 256) {
         const uint4 ua = *(const uint4 *)(o + c), ub = *(const uint4 *)(dout + c);
@@ -1820,14 +1839,15 @@ __global__ void __launch_bounds__(128) uly__flash_bwd_pre(const uly__fa_params p
             *(float4 *)(p.dq_acc + i * d + c) = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-/* Backward post-pass: dq = scale * dQ accumulator, in T. Grid (query rows / 4, H, B). */
+/* Backward post-pass: dq = scale * dQ accumulator, in T. */
 template <typename T>
-__global__ void __launch_bounds__(128) uly__flash_bwd_post(const uly__fa_params p) {
+__global__ void __launch_bounds__(ULY__ROW_WARPS * 32) uly__flash_bwd_post(const uly__fa_params p) {
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
-    const int row = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
+    const int row = (int)(blockIdx.x * ULY__ROW_WARPS + threadIdx.x / 32);
+    const int lane = (int)(threadIdx.x & 31);
     if (row >= s.sq) return;
-    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_lse_index(p, s, h, row);
-    T *dq = uly__fa_row<T>(p.dq, s.b, s.q0 + row, h);
+    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_qrow(p, s, h, row);
+    T *dq = uly__row<T>(p.dq, s.b, s.q0 + row, h);
     for (int64_t c = 8 * lane; c < d; c += 256) {
         const float4 x = *(const float4 *)(p.dq_acc + i * d + c);
         const float4 y = *(const float4 *)(p.dq_acc + i * d + c + 4);
@@ -1854,29 +1874,29 @@ __global__ void __launch_bounds__(128) uly__flash_bwd_post(const uly__fa_params 
    read all of Q and dO: at D = 128 that is 1664 ldmatrix.x4 per query block against 1152 here
    plus 2 * BM * BN stores, and shared-memory bandwidth is what bounds this kernel. */
 template <typename T, int D, bool DQ_ATOMIC>
-__global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
+__global__ void __launch_bounds__(uly__fa_traits<D>::bwd_kv::WARPS * 32)
     uly__flash_bwd_kv(const uly__fa_params p) {
-    using C = typename uly__fa_traits<D>::bwd;
-    constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32;
+    using C = typename uly__fa_traits<D>::bwd_kv;
+    constexpr int BM = C::BM, BN = C::BN, THREADS = C::WARPS * 32;
     constexpr int SW = BM / 32, SN = BN * SW / C::WARPS; /* S, dP: SW warps along m, SN keys each */
     constexpr int KW = BN / 32, KN = D * KW / C::WARPS;  /* dK, dV: KW warps along n, KN dims */
     constexpr int QW = BM / 32, QN = D * QW / C::WARPS;  /* dQ: QW warps along m, QN dims each */
     static_assert(SN % 16 == 0 && KN % 16 == 0 && QN % 16 == 0, "whole ldmatrix.x4 blocks");
-    static_assert(BM <= NT, "a thread loads at most one query row's lse and Dsum");
+    static_assert(BM <= THREADS, "a thread loads at most one query row's lse and Dsum");
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.y);
     const int n0 = (int)blockIdx.z * BN; /* the first key block first */
     if (n0 >= s.sk) return;
-    const int64_t hk = blockIdx.x, g = p.kv_group, g0 = p.q_head0 / g;
-    const int64_t h_begin = max((int64_t)0, (hk + g0) * g - p.q_head0);
-    const int64_t h_end = min(p.q.h, (hk + g0 + 1) * g - p.q_head0);
+    const int64_t hk = blockIdx.x;
+    const uly__head_span heads = uly__q_heads(p.q_head0, p.kv_group, hk, p.q.h);
+    const int64_t h_begin = heads.first, h_end = heads.last;
     const int diag = s.sk - s.sq;
     const int m_begin = p.causal ? max(0, n0 - diag) / BM * BM : 0; /* first row seeing key n0 */
     const int m_blocks = s.sq > m_begin ? (s.sq - m_begin + BM - 1) / BM : 0;
     /* query blocks, head by head; none for a kv head that no local query head reads */
     const int64_t iters = max((int64_t)0, h_end - h_begin) * m_blocks;
 
-    ULY_DYN_SMEM(unsigned char, smem); /* K, V [BN][D]; 2 x (Q, dO [BM][D]); P, dS [BM][BN];
-                                          2 x (lse, Dsum [BM]) */
+    ULY_DYN_SMEM(unsigned char, smem); /* K, V [BN][D]; Q [2][BM][D]; dO [2][BM][D]; P, dS
+                                          [BM][BN]; lse, Dsum [2][2][BM] (stage, which, row) */
     const uint32_t sK = uly_smem_addr(smem), sV = sK + BN * D * 2;
     const uint32_t sQ0 = sV + BN * D * 2, sdO0 = sQ0 + 2 * BM * D * 2, sP = sdO0 + 2 * BM * D * 2;
     const uint32_t sdS = sP + BM * BN * 2, sRows = sdS + BM * BN * 2;
@@ -1888,25 +1908,26 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     const int qm = warp % QW * 32, qd = warp / QW * QN;
 
     auto load_queries = [&](int64_t h, int m0, int stage) {
-        uly__tile_load<BM, D, NT>(sQ0 + stage * BM * D * 2, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h),
-                                  p.q.ss, s.sq - m0);
-        uly__tile_load<BM, D, NT>(sdO0 + stage * BM * D * 2,
-                                  uly__fa_row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss, s.sq - m0);
-        /* lse and Dsum by cp.async too, one row a thread (BM <= NT): a plain load would stall
+        uly__tile_load<BM, D, THREADS>(sQ0 + stage * BM * D * 2,
+                                       uly__row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
+        uly__tile_load<BM, D, THREADS>(sdO0 + stage * BM * D * 2,
+                                       uly__row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss,
+                                       s.sq - m0);
+        /* lse and Dsum by cp.async too, one row a thread (BM <= THREADS): a plain load would stall
            its warp for the whole memory latency before the next MMA. Rows past the end read
            nothing; the row table below gives them lse = +inf. */
         const int r = (int)threadIdx.x;
         if (r < BM) {
             const bool ok = m0 + r < s.sq;
-            const int64_t i = uly__fa_lse_index(p, s, h, ok ? m0 + r : m0);
+            const int64_t i = uly__fa_qrow(p, s, h, ok ? m0 + r : m0);
             const uint32_t at = sRows + (stage * 2 * BM + r) * 4;
             uly_cp_async<4>(at, p.lse + i, ok ? 4 : 0);
             uly_cp_async<4>(at + BM * 4, p.dsum + i, ok ? 4 : 0);
         }
     };
 
-    uly__tile_load<BN, D, NT>(sK, uly__fa_row<T>(p.k, s.b, s.k0 + n0, hk), p.k.ss, s.sk - n0);
-    uly__tile_load<BN, D, NT>(sV, uly__fa_row<T>(p.v, s.b, s.k0 + n0, hk), p.v.ss, s.sk - n0);
+    uly__tile_load<BN, D, THREADS>(sK, uly__row<T>(p.k, s.b, s.k0 + n0, hk), p.k.ss, s.sk - n0);
+    uly__tile_load<BN, D, THREADS>(sV, uly__row<T>(p.v, s.b, s.k0 + n0, hk), p.v.ss, s.sk - n0);
     if (iters > 0) load_queries(h_begin, m_begin, 0);
     uly_cp_async_commit();
 
@@ -1927,9 +1948,9 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
         if (it + 1 < iters) load_queries(h_next, m_next, stage ^ 1);
         uly_cp_async_commit();
 
-        /* dK and dV take 128 of the 255 registers and S and dP 64, so the products unroll 4
-           k-steps (2 where K = BM) instead of all: the other steps' fragment addresses are
-           recomputed rather than held, and D = 128 fits without spills. */
+        /* At D = 128 dK and dV take 128 of the 255 registers and S and dP 64, so the products
+           unroll 4 k-steps (2 where K = BM) instead of all: the other steps' fragment addresses
+           are recomputed rather than held, and D = 128 fits without spills. */
         float sc[2][SN / 8][4], dp[2][SN / 8][4];
         uly__frag_zero(sc);
         uly__frag_zero(dp);
@@ -1959,7 +1980,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
             uly__mma_ss<T, 2, QN / 8, BN, BN, false, D, true, 4>(dq, sdS, qm, sK, qd);
             /* One 64-bit row base per query block; the thread's 4 rows are int offsets from it,
                and each row's 2 * QN / 8 adds are immediate offsets from one address. */
-            float *acc = p.dq_acc + uly__fa_lse_index(p, s, h, m0) * D + qd + uly__frag_col(0);
+            float *acc = p.dq_acc + uly__fa_qrow(p, s, h, m0) * D + qd + uly__frag_col(0);
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -1981,25 +2002,26 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd::WARPS * 32)
     uly__frag_store<T, D>(smem, kn, kd, dk);
     uly__frag_store<T, D>(smem + BN * D * 2, kn, kd, dv);
     __syncthreads();
-    uly__tile_store<BN, D, NT>(uly__fa_row<T>(p.dk, s.b, s.k0 + n0, hk), p.dk.ss, s.sk - n0, smem);
-    uly__tile_store<BN, D, NT>(uly__fa_row<T>(p.dv, s.b, s.k0 + n0, hk), p.dv.ss, s.sk - n0,
-                               smem + BN * D * 2);
+    uly__tile_store<BN, D, THREADS>(uly__row<T>(p.dk, s.b, s.k0 + n0, hk), p.dk.ss, s.sk - n0,
+                                    smem);
+    uly__tile_store<BN, D, THREADS>(uly__row<T>(p.dv, s.b, s.k0 + n0, hk), p.dv.ss, s.sk - n0,
+                                    smem + BN * D * 2);
 }
 
 /* Deterministic dQ: a block owns BM query rows; grid (H, B, query blocks). Over the key blocks
    in order: S = Q K^T, dP = dO V^T, P and dS, dQ += dS K, in registers; dq = scale * dQ. */
 template <typename T, int D>
-__global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
+__global__ void __launch_bounds__(uly__fa_traits<D>::bwd_q::WARPS * 32)
     uly__flash_bwd_q(const uly__fa_params p) {
-    using C = typename uly__fa_traits<D>::dq;
-    constexpr int BM = C::BM, BN = C::BN, NT = C::WARPS * 32, MT = BM / (16 * C::WARPS);
+    using C = typename uly__fa_traits<D>::bwd_q;
+    constexpr int BM = C::BM, BN = C::BN, THREADS = C::WARPS * 32, MT = BM / (16 * C::WARPS);
     const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.y);
     const int m0 = uly__fa_query_block() * BM;
     if (m0 >= s.sq) return;
-    const int64_t h = blockIdx.x, hk = uly__fa_kv_head(p, h);
-    const T *k = uly__fa_row<T>(p.k, s.b, s.k0, hk), *v = uly__fa_row<T>(p.v, s.b, s.k0, hk);
+    const int64_t h = blockIdx.x, hk = uly__kv_head(p.q_head0, p.kv_group, h);
+    const T *k = uly__row<T>(p.k, s.b, s.k0, hk), *v = uly__row<T>(p.v, s.b, s.k0, hk);
 
-    ULY_DYN_SMEM(unsigned char, smem); /* Q, dO [BM][D]; 2 x (K, V [BN][D]) */
+    ULY_DYN_SMEM(unsigned char, smem); /* Q, dO [BM][D]; K [2][BN][D]; V [2][BN][D] */
     const uint32_t sQ = uly_smem_addr(smem), sdO = sQ + BM * D * 2, sK0 = sdO + BM * D * 2;
     const uint32_t sV0 = sK0 + 2 * BN * D * 2;
     const int wm = (int)(threadIdx.x / 32) * 16 * MT;
@@ -2012,18 +2034,21 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int r = m0 + wm + 16 * mt + uly__frag_row(2 * hf);
-            const int64_t i = uly__fa_lse_index(p, s, h, r);
+            const int64_t i = uly__fa_qrow(p, s, h, r);
             lse2[mt][hf] = r < s.sq ? p.lse[i] * ULY__LOG2E : INFINITY;
             dsum[mt][hf] = r < s.sq ? p.dsum[i] : 0.f;
         }
 
     auto load_keys = [&](int j, int stage) {
         const int n0 = j * BN;
-        uly__tile_load<BN, D, NT>(sK0 + stage * BN * D * 2, k + n0 * p.k.ss, p.k.ss, s.sk - n0);
-        uly__tile_load<BN, D, NT>(sV0 + stage * BN * D * 2, v + n0 * p.v.ss, p.v.ss, s.sk - n0);
+        uly__tile_load<BN, D, THREADS>(sK0 + stage * BN * D * 2, k + n0 * p.k.ss, p.k.ss,
+                                       s.sk - n0);
+        uly__tile_load<BN, D, THREADS>(sV0 + stage * BN * D * 2, v + n0 * p.v.ss, p.v.ss,
+                                       s.sk - n0);
     };
-    uly__tile_load<BM, D, NT>(sQ, uly__fa_row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
-    uly__tile_load<BM, D, NT>(sdO, uly__fa_row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss, s.sq - m0);
+    uly__tile_load<BM, D, THREADS>(sQ, uly__row<T>(p.q, s.b, s.q0 + m0, h), p.q.ss, s.sq - m0);
+    uly__tile_load<BM, D, THREADS>(sdO, uly__row<T>(p.dout, s.b, s.q0 + m0, h), p.dout.ss,
+                                   s.sq - m0);
     if (n_blocks > 0) load_keys(0, 0);
     uly_cp_async_commit();
 
@@ -2052,11 +2077,11 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::dq::WARPS * 32)
     }
 
     uly__frag_scale(dq, p.scale);
-    uly__fa_store_rows<T, BM, D, NT>(dq, p.dq, s, h, m0, wm, smem);
+    uly__fa_store_rows<T, BM, D, THREADS>(dq, p.dq, s, h, m0, wm, smem);
 }
 
 /* ---------------------------------------------------------------------------------------------
-   Launchers */
+   Flash attention launchers */
 
 /* Dsum (fp32, one per query row and head), then the fp32 dQ accumulator unless deterministic.
    A varlen batch is one sequence of total_q rows, so the same count serves both. -1 where a
@@ -2107,10 +2132,18 @@ static uly_status uly__fa_smem_fits(int64_t d, int backward) {
     return uly__ok();
 }
 
-/* Rows of a sequence: 65535 blocks (the grid's z) of 64 rows (the smallest BM). */
-enum { ULY__FA_MAX_ROWS = 65535 * 64 };
+/* Rows of a sequence: 65535 blocks (the grid's z) of the fewest rows a block takes along z
+   (query blocks; key blocks for dK and dV), the dQ kernel's 64. */
+enum { ULY__FA_Z_ROWS = 64, ULY__FA_MAX_ROWS = 65535 * ULY__FA_Z_ROWS };
+template <int D> constexpr bool uly__fa_z_rows_ok() {
+    using F = uly__fa_traits<D>;
+    return (int)F::fwd::BM >= ULY__FA_Z_ROWS && (int)F::bwd_kv::BN >= ULY__FA_Z_ROWS &&
+           (int)F::bwd_q::BM >= ULY__FA_Z_ROWS;
+}
+static_assert(uly__fa_z_rows_ok<64>() && uly__fa_z_rows_ok<128>(), "a tile below ULY__FA_Z_ROWS");
 
-/* The rules the kernels add to the contract: dtype, head dim, 16-byte rows, grid limits. */
+/* The contract's checks and the kernels' own (dtype, head dim, 16-byte rows, grid limits,
+   varlen, shared memory), then *p: the parameters every kernel reads. */
 static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, int backward,
                                 uly__fa_params *p) {
     ULY__TRY(uly_attn_check(a, backward));
@@ -2123,8 +2156,8 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
     for (int i = 0; i < (backward ? 8 : 4); i++) ULY__TRY(uly__fa_rows16(*ts[i], names[i]));
     ULY__CHECK(a->q.s <= ULY__FA_MAX_ROWS && a->k.s <= ULY__FA_MAX_ROWS, ULY_EUNSUPPORTED,
-               "q.s (%lld), k.s (%lld): at most %d rows, 65535 blocks of 64 (the grid's z limit)",
-               ULY__LL(a->q.s), ULY__LL(a->k.s), ULY__FA_MAX_ROWS);
+               "q.s (%lld), k.s (%lld): at most %d rows, 65535 blocks of %d (the grid's z limit)",
+               ULY__LL(a->q.s), ULY__LL(a->k.s), ULY__FA_MAX_ROWS, ULY__FA_Z_ROWS);
     ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535 && a->k.h <= 65535, ULY_EUNSUPPORTED,
                "q.b (%lld), q.h (%lld), k.h (%lld): at most 65535 each, the grid's y and z limit",
                ULY__LL(a->q.b), ULY__LL(a->q.h), ULY__LL(a->k.h));
@@ -2179,6 +2212,11 @@ template <typename F> static uly_status uly__fa_dispatch(uly_dtype t, int64_t d,
 
 static int uly__fa_cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
+/* The row passes' grid (uly__flash_bwd_pre). */
+static dim3 uly__fa_row_grid(int64_t heads, int batch, int64_t max_sq) {
+    return dim3(uly__fa_cdiv(max_sq, ULY__ROW_WARPS), (unsigned)heads, batch);
+}
+
 /* Launches kernel on grid (nothing for an empty grid) with the dynamic shared memory it asks
    (uly__fa_setup made sure the device has it). Above 48 KB the kernel opts in. */
 template <typename... P>
@@ -2207,18 +2245,19 @@ static uly_status uly__fa_fwd_run(const uly__fa_params &p, int batch, int64_t ma
 template <typename T, int D>
 static uly_status uly__fa_bwd_run(const uly__fa_params &p, int batch, int64_t max_sq,
                                   int64_t max_sk, cudaStream_t stream) {
-    using B = typename uly__fa_traits<D>::bwd;
-    using Q = typename uly__fa_traits<D>::dq;
+    using B = typename uly__fa_traits<D>::bwd_kv;
+    using Q = typename uly__fa_traits<D>::bwd_q;
     const bool atomic = p.dq_acc != NULL;
-    const dim3 rows(uly__fa_cdiv(max_sq, 4), (unsigned)p.q.h, batch);
+    const dim3 rows = uly__fa_row_grid(p.q.h, batch, max_sq);
     const dim3 keys((unsigned)p.k.h, batch, uly__fa_cdiv(max_sk, B::BN));
     const size_t kv_smem = uly__fa_bwd_kv_smem<D>();
-    ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre", rows, 128, 0, stream, p));
+    ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre", rows,
+                            ULY__ROW_WARPS * 32, 0, stream, p));
     if (atomic) {
         ULY__TRY(uly__fa_launch(uly__flash_bwd_kv<T, D, true>, "uly__flash_bwd_kv", keys,
                                 B::WARPS * 32, kv_smem, stream, p));
-        return uly__fa_launch(uly__flash_bwd_post<T>, "uly__flash_bwd_post", rows, 128, 0, stream,
-                              p);
+        return uly__fa_launch(uly__flash_bwd_post<T>, "uly__flash_bwd_post", rows,
+                              ULY__ROW_WARPS * 32, 0, stream, p);
     }
     ULY__TRY(uly__fa_launch(uly__flash_bwd_kv<T, D, false>, "uly__flash_bwd_kv", keys,
                             B::WARPS * 32, kv_smem, stream, p));
@@ -2302,13 +2341,18 @@ ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v) {
 /* Score blocks are [rows, sk] with rows ld apart (uly__lt_ld): row r is query row r % sq of the
    block's head r / sq. */
 
-/* Forward softmax, one warp per row: p = exp(scale * s - lse) in T (0 where masked), and lse
-   unless NULL (the backward recomputes P). */
+/* The elementwise kernels' blocks; their grid-stride loops cover what the capped grid (many
+   times any GPU's SMs) does not. */
+enum { ULY__LT_THREADS = 256, ULY__LT_MAX_BLOCKS = 65535 * 16 };
+
+/* Forward softmax, one warp per row as the flash row passes: p = exp(scale * s - lse) in T (0
+   where masked), and lse unless NULL (the backward recomputes P). */
 template <typename T>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(ULY__ROW_WARPS * 32)
     uly__lt_softmax(const float *s, T *p, float *lse, int64_t lse_sh, int rows, int sq, int sk,
                     int64_t ld, float scale, int causal) {
-    const int r = (int)(blockIdx.x * 4 + threadIdx.x / 32), lane = (int)(threadIdx.x & 31);
+    const int r = (int)(blockIdx.x * ULY__ROW_WARPS + threadIdx.x / 32);
+    const int lane = (int)(threadIdx.x & 31);
     if (r >= rows) return;
     const int i = r % sq, keep = causal ? min(sk, i + sk - sq + 1) : sk;
     const float *row = s + r * ld;
@@ -2325,10 +2369,11 @@ __global__ void __launch_bounds__(128)
 
 /* Backward softmax, elementwise over n = rows * sk: ds = scale * p * (dp - Dsum) in T. */
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(ULY__LT_THREADS)
     uly__lt_softmax_grad(const T *p, const float *dp, const float *dsum, int64_t dsum_sh, T *ds,
                          int64_t n, int sq, int sk, int64_t ld, float scale) {
-    for (int64_t e = blockIdx.x * 256 + threadIdx.x; e < n; e += (int64_t)gridDim.x * 256) {
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += step) {
         const int64_t r = e / sk, at = r * ld + e % sk;
         ds[at] = (T)(scale * (float)p[at] * (dp[at] - dsum[r / sq * dsum_sh + r % sq]));
     }
@@ -2336,14 +2381,17 @@ __global__ void __launch_bounds__(256)
 
 /* fp32 [rows, d] to the rows y, y + ss, ... in T. */
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(ULY__LT_THREADS)
     uly__lt_store(const float *x, T *y, int64_t ss, int64_t rows, int64_t d) {
-    for (int64_t e = blockIdx.x * 256 + threadIdx.x; e < rows * d; e += (int64_t)gridDim.x * 256)
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < rows * d; e += step)
         y[e / d * ss + e % d] = (T)x[e];
 }
 
-static int uly__lt_blocks(int64_t n, int per_block) {
-    return (int)min((n + per_block - 1) / per_block, (int64_t)65535 * 16);
+/* Blocks of ULY__LT_THREADS for n elements. */
+static dim3 uly__lt_grid(int64_t n) {
+    return dim3((unsigned)min((n + ULY__LT_THREADS - 1) / ULY__LT_THREADS,
+                              (int64_t)ULY__LT_MAX_BLOCKS));
 }
 
 static uly_status uly__lt(cublasStatus_t e, const char *what) {
@@ -2527,7 +2575,7 @@ static cudaDataType_t uly__lt_type(uly_dtype t) { return t == ULY_BF16 ? CUDA_R_
    all of them (shared: K and V, which every query head of the job reads). */
 template <typename T>
 static uly__lt_mat uly__lt_heads(const uly_tensor &t, int64_t b, int64_t h, int shared) {
-    return {(const T *)t.data + b * t.sb + h * t.sh, uly__lt_type(t.dtype), t.s, t.d, t.ss,
+    return {uly__row<const T>(t, b, 0, h), uly__lt_type(t.dtype), t.s, t.d, t.ss,
             shared ? 0 : t.sh};
 }
 
@@ -2547,9 +2595,9 @@ static uly_status uly__lt_probs(cublasLtHandle_t lt, const uly_attn_args *a,
     ULY__TRY(uly__lt_gemm(lt, uly__lt_heads<T>(a->q, g.b, g.h0, 0), 0,
                           uly__lt_heads<T>(a->k, g.b, g.j, 1), 1,
                           uly__lt_scores(a, w.s, CUDA_R_32F), 1.f, 0.f, (int)g.n, w.lt, stream));
-    ULY_LAUNCH(uly__lt_softmax<T>, dim3(uly__fa_cdiv(rows, 4)), dim3(128), 0, stream, w.s,
-               (T *)w.p, lse, a->q.s, rows, (int)a->q.s, (int)a->k.s, uly__lt_ld(a),
-               uly__scale(a), a->causal);
+    ULY_LAUNCH(uly__lt_softmax<T>, dim3(uly__fa_cdiv(rows, ULY__ROW_WARPS)),
+               dim3(ULY__ROW_WARPS * 32), 0, stream, w.s, (T *)w.p, lse, a->q.s, rows,
+               (int)a->q.s, (int)a->k.s, uly__lt_ld(a), uly__scale(a), a->causal);
     return uly__cuda(cudaGetLastError(), "uly__lt_softmax");
 }
 
@@ -2558,7 +2606,7 @@ static int64_t uly__lt_row0(const uly_attn_args *a, uly__lt_job g) {
     return (g.b * a->q.h + g.h0) * a->q.s;
 }
 
-/* O = P V. */
+/* S, P and lse of the job's heads (uly__lt_probs), then O = P V. */
 template <typename T>
 static uly_status uly__lt_fwd_job(cublasLtHandle_t lt, const uly_attn_args *a,
                                   const uly__lt_ws &w, uly__lt_job g) {
@@ -2569,8 +2617,8 @@ static uly_status uly__lt_fwd_job(cublasLtHandle_t lt, const uly_attn_args *a,
                         (cudaStream_t)a->stream);
 }
 
-/* P again, dP = dO V^T, dS = P * (dP - Dsum), dQ = dS K; then dK and dV summed over the job's
-   query heads in order, in fp32, and stored once. */
+/* P again, dP = dO V^T, dS = scale P (dP - Dsum), dQ = dS K; then dK and dV summed over the
+   job's query heads in order, in fp32, and stored once. */
 template <typename T>
 static uly_status uly__lt_bwd_job(cublasLtHandle_t lt, const uly_attn_args *a,
                                   const uly__lt_ws &w, uly__lt_job g) {
@@ -2582,7 +2630,7 @@ static uly_status uly__lt_bwd_job(cublasLtHandle_t lt, const uly_attn_args *a,
     ULY__TRY(uly__lt_gemm(lt, uly__lt_heads<T>(a->dout, g.b, g.h0, 0), 0,
                           uly__lt_heads<T>(a->v, g.b, g.j, 1), 1,
                           uly__lt_scores(a, w.s, CUDA_R_32F), 1.f, 0.f, (int)g.n, w.lt, stream));
-    ULY_LAUNCH(uly__lt_softmax_grad<T>, dim3(uly__lt_blocks(g.n * Sq * Sk, 256)), dim3(256), 0,
+    ULY_LAUNCH(uly__lt_softmax_grad<T>, uly__lt_grid(g.n * Sq * Sk), dim3(ULY__LT_THREADS), 0,
                stream, (const T *)w.p, w.s, w.dsum + uly__lt_row0(a, g), Sq, (T *)w.ds,
                g.n * Sq * Sk, (int)Sq, (int)Sk, ld, uly__scale(a));
     ULY__TRY(uly__cuda(cudaGetLastError(), "uly__lt_softmax_grad"));
@@ -2599,11 +2647,10 @@ static uly_status uly__lt_bwd_job(cublasLtHandle_t lt, const uly_attn_args *a,
         ULY__TRY(uly__lt_gemm(lt, Pi, 1, uly__lt_heads<T>(a->dout, g.b, g.h0 + i, 1), 0, dV,
                               1.f, beta, 1, w.lt, stream));
     }
-    T *dk = (T *)a->dk.data + g.b * a->dk.sb + g.j * a->dk.sh;
-    T *dv = (T *)a->dv.data + g.b * a->dv.sb + g.j * a->dv.sh;
-    ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
+    T *dk = uly__row<T>(a->dk, g.b, 0, g.j), *dv = uly__row<T>(a->dv, g.b, 0, g.j);
+    ULY_LAUNCH(uly__lt_store<T>, uly__lt_grid(Sk * D), dim3(ULY__LT_THREADS), 0, stream,
                (const float *)w.dk, dk, a->dk.ss, Sk, D);
-    ULY_LAUNCH(uly__lt_store<T>, dim3(uly__lt_blocks(Sk * D, 256)), dim3(256), 0, stream,
+    ULY_LAUNCH(uly__lt_store<T>, uly__lt_grid(Sk * D), dim3(ULY__LT_THREADS), 0, stream,
                (const float *)w.dv, dv, a->dv.ss, Sk, D);
     return uly__cuda(cudaGetLastError(), "uly__lt_store");
 }
@@ -2613,11 +2660,11 @@ template <typename T>
 static uly_status uly__lt_zero_kv(const uly_attn_args *a, int64_t b, int64_t j) {
     const size_t row = (size_t)a->q.d * sizeof(T), rows = (size_t)a->k.s;
     cudaStream_t stream = (cudaStream_t)a->stream;
-    cudaError_t e = cudaMemset2DAsync((T *)a->dk.data + b * a->dk.sb + j * a->dk.sh,
-                                      (size_t)a->dk.ss * sizeof(T), 0, row, rows, stream);
+    cudaError_t e = cudaMemset2DAsync(uly__row<T>(a->dk, b, 0, j), (size_t)a->dk.ss * sizeof(T),
+                                      0, row, rows, stream);
     if (!e)
-        e = cudaMemset2DAsync((T *)a->dv.data + b * a->dv.sb + j * a->dv.sh,
-                              (size_t)a->dv.ss * sizeof(T), 0, row, rows, stream);
+        e = cudaMemset2DAsync(uly__row<T>(a->dv, b, 0, j), (size_t)a->dv.ss * sizeof(T), 0, row,
+                              rows, stream);
     return uly__cuda(e, "cudaMemset2DAsync");
 }
 
@@ -2626,7 +2673,7 @@ static uly_status uly__lt_zero_kv(const uly_attn_args *a, int64_t b, int64_t j) 
 template <typename T>
 static uly_status uly__lt_run(cublasLtHandle_t lt, const uly_attn_args *a, int backward) {
     ULY__TRY(uly__lt_check(lt, a, backward));
-    const int64_t B = a->q.b, H = a->q.h, Sq = a->q.s, g = uly__group(a), g0 = a->q_head0 / g;
+    const int64_t B = a->q.b, H = a->q.h, Sq = a->q.s, g = uly__group(a);
     const uly__lt_ws w = uly__lt_carve(a);
     if (backward) { /* Dsum by the flash pre-pass */
         uly__fa_params p;
@@ -2634,13 +2681,13 @@ static uly_status uly__lt_run(cublasLtHandle_t lt, const uly_attn_args *a, int b
         p.o = a->o, p.dout = a->dout, p.q = a->q, p.dsum = w.dsum, p.lse_sb = H * Sq, p.lse_sh = Sq;
         p.sq = (int)Sq;
         ULY__TRY(uly__fa_launch(uly__flash_bwd_pre<T>, "uly__flash_bwd_pre",
-                                dim3(uly__fa_cdiv(Sq, 4), (unsigned)H, (unsigned)B), 128, 0,
+                                uly__fa_row_grid(H, (int)B, Sq), ULY__ROW_WARPS * 32, 0,
                                 (cudaStream_t)a->stream, p));
     }
     for (int64_t b = 0; b < B; b++)
         for (int64_t j = 0; j < a->k.h; j++) {
-            const int64_t h0 = max((int64_t)0, (j + g0) * g - a->q_head0);
-            const uly__lt_job job = {b, j, h0, min(H, (j + g0 + 1) * g - a->q_head0) - h0};
+            const uly__head_span heads = uly__q_heads(a->q_head0, g, j, H);
+            const uly__lt_job job = {b, j, heads.first, heads.last - heads.first};
             if (job.n > 0)
                 ULY__TRY(backward ? uly__lt_bwd_job<T>(lt, a, w, job)
                                   : uly__lt_fwd_job<T>(lt, a, w, job));
