@@ -28,7 +28,7 @@
        uly_status st = uly_plan_init(&plan, &(uly_plan_desc){
            .world_size = world, .rank = rank, .sp_size = 4,
            .batch = 1, .seq_len = 8192, .n_heads = 16, .n_kv_heads = 4, .head_dim = 64 });
-       if (st.code) { fprintf(stderr, "%s\n", st.msg); return; }  // every rank fails alike
+       if (st.code) { fprintf(stderr, "%s\n", st.msg); return; }  // a bad shape: on every rank
        uly_layer L = { .plan = &plan, .comm = comm, .attn = uly_cpu_attention(),
                        .layout = uly_cpu_layout(), .causal = 1 };
        L.workspace_bytes = uly_layer_workspace(&L);
