@@ -19,7 +19,7 @@
      workspace(), cuBLASLt's own ULY__LT_WS bytes included (the emulated GEMM overwrites them
      when it runs), sized by the query heads a kv head has here, not by kv_group. fp32,
      D > 256, 65536 batches, GEMM dims past int and backward tensors of the wrong shape are
-     named errors.
+     named errors. The elementwise kernels index past 2^31 elements (on a GPU with the memory).
    Under the emulator (make test) cuBLASLt is tests/emu/cublaslt_emu.cpp, a double that computes
    the documented GEMM and refuses what it does not model; on a GPU (make test-gpu) it is the real
    library, and the first test is what shows the double models it. */
@@ -53,8 +53,9 @@ TEST(gemm_as_the_attention_calls_it) {
     for (int b = 0; b < B; b++)
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++) {
+                const float *xi = &x[b * M * LDX + i * LDX];
                 double s = 0;
-                for (int p = 0; p < K; p++) s += (double)x[b * M * LDX + i * LDX + p] * y[j * K + p];
+                for (int p = 0; p < K; p++) s += (double)xi[p] * y[j * K + p];
                 want[(b * M + i) * N + j] = (float)(2 * s);
             }
     void *dx, *dy, *dz, *ws;
@@ -84,7 +85,8 @@ static run_out agree(const fcase &c) {
     const run_out lt = run_attn(c, cq, ck, false, in, uly_cublaslt_attention(lt_handle()));
     const run_out fa = run_attn(c, cq, ck, false, in, uly_flash_attention());
     if (!lt.ok || !fa.ok) return lt;
-    const outputs r64 = reference(c, cq, ck, false, in, false), low = reference(c, cq, ck, false, in, true);
+    const outputs r64 = reference(c, cq, ck, false, in, false);
+    const outputs low = reference(c, cq, ck, false, in, true);
     check_outputs(c, lt, r64, low, NULL);
     for (const field &f : fields) {
         const double err = max_err(fa.*f.got, lt.*f.got), base = max_err(low.*f.want, r64.*f.want);
@@ -436,5 +438,59 @@ TEST(flash_backward_beyond_the_gpus_shared_memory_is_a_named_error_and_cublaslt_
     cudaFree(a.lse), cudaFree(a.workspace);
 }
 #endif
+
+/* x[e] = e % mod + add, as T: integers below 256, exact in bf16. */
+template <typename T> __global__ void fill_ints(T *x, int64_t n, int mod, int add) {
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += step)
+        x[e] = (T)(float)(e % mod + add);
+}
+
+/* The elementwise kernels index in 64 bits: with inputs e % 251 (p = 1, Dsum = 0, scale 1),
+   uly__lt_store and uly__lt_softmax_grad put e % 251 at element e, sampled at the ends, around
+   2^31 and in between. A GPU with 17 GB free runs n just past 2^31 (a 32-bit index would wrap
+   there); the emulator runs the same check on 7 blocks' worth, the formulas without the width. */
+TEST(cublaslt_elementwise_kernels_index_past_int32) {
+    size_t free_bytes = 0, total = 0;
+    cudaMemGetInfo(&free_bytes, &total);
+    const int64_t SK = 1024, two31 = (int64_t)1 << 31;
+#ifdef ULY_EMU
+    const int64_t rows = 7;
+#else
+    const int64_t rows = free_bytes > ((size_t)17 << 30) ? two31 / SK + 1 : 7;
+    if (rows == 7) printf("   (%zu bytes free: n = %lld, below 2^31)\n", free_bytes,
+                          (long long)(rows * SK));
+#endif
+    const int64_t n = rows * SK;
+    float *x, *dsum;
+    __nv_bfloat16 *y, *p;
+    cudaMalloc((void **)&x, (size_t)n * 4), cudaMalloc((void **)&y, (size_t)n * 2);
+    cudaMalloc((void **)&p, (size_t)n * 2), cudaMalloc((void **)&dsum, (size_t)rows * 4);
+    CHECK(x && y && p && dsum, "cudaMalloc of %lld elements", (long long)n);
+    cudaMemset(dsum, 0, (size_t)rows * 4);
+    ULY_LAUNCH(fill_ints<float>, uly__lt_grid(n), dim3(ULY__LT_THREADS), 0, 0, x, n, 251, 0);
+    ULY_LAUNCH(fill_ints<__nv_bfloat16>, uly__lt_grid(n), dim3(ULY__LT_THREADS), 0, 0, p, n, 1, 1);
+    const int64_t at[] = {0, 1, n / 2, two31 - 1, two31, two31 + 1, two31 + 251, n - 2, n - 1};
+    for (int kernel = 0; kernel < 2; kernel++) {
+        cudaMemset(y, 0xff, (size_t)n * 2);
+        if (kernel == 0)
+            ULY_LAUNCH(uly__lt_store<__nv_bfloat16>, uly__lt_grid(n), dim3(ULY__LT_THREADS), 0, 0,
+                       (const float *)x, y, SK, rows, SK);
+        else
+            ULY_LAUNCH(uly__lt_softmax_grad<__nv_bfloat16>, uly__lt_grid(n),
+                       dim3(ULY__LT_THREADS), 0, 0, (const __nv_bfloat16 *)p, (const float *)x,
+                       (const float *)dsum, (int64_t)0, y, n, (int)rows, (int)SK, SK, 1.f);
+        CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernel %d", kernel);
+        for (int64_t e : at) {
+            if (e < 0 || e >= n) continue;
+            __nv_bfloat16 got;
+            cudaMemcpy(&got, y + e, 2, cudaMemcpyDeviceToHost);
+            CHECK(__bfloat162float(got) == (float)(e % 251), "%s: element %lld is %g, want %d",
+                  kernel ? "uly__lt_softmax_grad" : "uly__lt_store", (long long)e,
+                  __bfloat162float(got), (int)(e % 251));
+        }
+    }
+    cudaFree(x), cudaFree(y), cudaFree(p), cudaFree(dsum);
+}
 
 int main(void) { return uly_run_tests(); }

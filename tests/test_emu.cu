@@ -1192,9 +1192,9 @@ __global__ void add_near_zero(float *g, float *s_out, float *pair) {
 }
 
 #ifdef ULY_EMU
-__global__ void red_on_shared() {
+__global__ void red_on_shared(int at) {
     ULY_DYN_SMEM(float, s);
-    uly_red_add2(s, 1.f, 1.f);
+    uly_red_add2(s + at, 1.f, 1.f);
 }
 #endif
 
@@ -1218,9 +1218,12 @@ TEST(float_atomics_flush_subnormals_on_global_memory_only) {
           hp[0], hp[1]);
 #ifdef ULY_EMU
     uly_emu_set_quiet(true);
-    ULY_LAUNCH(red_on_shared, 1, 32, 8, 0);
-    std::string r = expect_failure(cudaErrorIllegalAddress);
-    CHECK(contains(r, "red.global.add.v2.f32") && contains(r, "shared"), "report: %s", r.c_str());
+    for (int at : {0, 4}) { /* in the launch's 8 bytes, and past them in the shared window */
+        ULY_LAUNCH(red_on_shared, 1, 32, 8, 0, at);
+        std::string r = expect_failure(cudaErrorIllegalAddress);
+        CHECK(contains(r, "red.global.add.v2.f32") && contains(r, "shared"), "at %d: %s", at,
+              r.c_str());
+    }
     uly_emu_set_quiet(false);
 #endif
     cudaFree(g), cudaFree(s), cudaFree(pair);

@@ -763,7 +763,12 @@ static const agree_row agree_table[] = {
      ", 16 on sp rank 0", "1 of 3 sp ranks"},
     {"seq_len 17 on rank 0", 0, P_S, 17, 0, 6, "seq_len is 16 on this rank", ", 17 on sp rank 0",
      "2 of 3 sp ranks"},
+    {"batch 3 on rank 1", 1, P_B, 3, 0, 2, "batch is 3 on this rank", ", 2 on", "1 of 3"},
+    {"n_heads 12 on rank 2", 2, P_H, 12, 0, 4, "n_heads is 12 on this rank", ", 6 on", "1 of 3"},
     {"n_kv_heads 6 on rank 1", 1, P_HKV, 6, 0, 2, "n_kv_heads is 6 on this rank", ", 3 on",
+     "1 of 3"},
+    /* the default scale differs too, but head_dim comes first */
+    {"head_dim 32 on rank 1", 1, P_D, 32, 0, 2, "head_dim is 32 on this rank", ", 16 on",
      "1 of 3"},
     {"dtype f16 on rank 1", 1, P_DTYPE, ULY_F16, 0, 2, "dtype is f16 on this rank", ", bf16 on",
      "1 of 3"},
