@@ -161,7 +161,8 @@ static outputs reference_with(const fcase &c, const std::vector<int> &cu_q,
                       &r.dq[qo], &r.dk[ko], &r.dv[ko]);
         for (int64_t h = 0; h < c.H; h++)
             for (int64_t i = 0; i < sq; i++)
-                r.lse[(size_t)(varlen ? h * nq + q0 + i : (b * c.H + h) * sq + i)] = lse[h * sq + i];
+                r.lse[(size_t)(varlen ? h * nq + q0 + i : (b * c.H + h) * sq + i)] =
+                    lse[h * sq + i];
     }
     for (dvec *x : {&r.dq, &r.dk, &r.dv})
         for (auto &e : *x) e = rnd.rest(c.dt, e);
@@ -176,10 +177,10 @@ static outputs reference(const fcase &c, const std::vector<int> &cu_q, const std
 
 /* ---------------------------------------------------------------------------------------------
    Device tensors: dense (pad 0), or padded (heads D + 8 pad apart, rows and batches padded by
-   8 pad more; a dim of extent 1 has stride 1 instead, which no kernel may apply). Every allocation has 8 elements
-   past its last batch too. What lies outside the view (the padding) holds pad_bits, a NaN in bf16
-   and fp16: a kernel that reads it poisons its results, and one that writes it is caught by
-   padding_written. */
+   8 pad more; a dim of extent 1 has stride 1 instead, which no kernel may apply). Every allocation
+   has 8 elements past its last batch too. What lies outside the view (the padding) holds pad_bits,
+   a NaN in bf16 and fp16: a kernel that reads it poisons its results, and one that writes it is
+   caught by padding_written. */
 
 static const uint16_t pad_bits = 0xffff;
 
@@ -388,7 +389,8 @@ static outputs run_cpu(const fcase &c, const inputs &in) {
     CHECK(st.code == ULY_OK, "cpu attention: %s", st.msg);
     outputs r;
     r.o.assign(o.begin(), o.end()), r.lse.assign(lse.begin(), lse.end());
-    r.dq.assign(dq.begin(), dq.end()), r.dk.assign(dk.begin(), dk.end()), r.dv.assign(dv.begin(), dv.end());
+    r.dq.assign(dq.begin(), dq.end());
+    r.dk.assign(dk.begin(), dk.end()), r.dv.assign(dv.begin(), dv.end());
     return r;
 }
 
@@ -449,7 +451,8 @@ static void check_lse(const fcase &c, const run_out &got, const outputs &r64) {
 static void check_outputs(const fcase &c, const run_out &got, const outputs &r64,
                           const outputs &low, const outputs *cpu) {
     for (const field &f : fields) {
-        const double err = max_err(got.*f.got, r64.*f.want), base = max_err(low.*f.want, r64.*f.want);
+        const double err = max_err(got.*f.got, r64.*f.want);
+        const double base = max_err(low.*f.want, r64.*f.want);
         CHECK(std::isfinite(base), "%s: the plain %s reference's %s is not finite: no bound",
               describe(c).c_str(), dt_name(c.dt), f.name);
         CHECK(err <= 2 * base + 1e-3, "%s: %s max error %.3g > 2 * %.3g + 1e-3 (plain %s)",
@@ -460,9 +463,10 @@ static void check_outputs(const fcase &c, const run_out &got, const outputs &r64
               describe(c).c_str(), f.name, cpu_err);
     }
     if (getenv("ULY_FLASH_VERBOSE"))
-        printf("     %s: o %.3g dq %.3g dk %.3g dv %.3g (plain o %.3g dq %.3g)\n", describe(c).c_str(),
-               max_err(got.o, r64.o), max_err(got.dq, r64.dq), max_err(got.dk, r64.dk),
-               max_err(got.dv, r64.dv), max_err(low.o, r64.o), max_err(low.dq, r64.dq));
+        printf("     %s: o %.3g dq %.3g dk %.3g dv %.3g (plain o %.3g dq %.3g)\n",
+               describe(c).c_str(), max_err(got.o, r64.o), max_err(got.dq, r64.dq),
+               max_err(got.dk, r64.dk), max_err(got.dv, r64.dv), max_err(low.o, r64.o),
+               max_err(low.dq, r64.dq));
     check_lse(c, got, r64);
 }
 
@@ -471,7 +475,8 @@ static inline run_out check_inputs(const fcase &c, const inputs &in) {
     const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
     const run_out got = run_attn(c, cq, ck, false, in, uly_flash_attention());
     if (!got.ok) return got;
-    const outputs r64 = reference(c, cq, ck, false, in, false), low = reference(c, cq, ck, false, in, true);
+    const outputs r64 = reference(c, cq, ck, false, in, false);
+    const outputs low = reference(c, cq, ck, false, in, true);
     const outputs cpu = run_cpu(c, in);
     check_outputs(c, got, r64, low, &cpu);
     return got;

@@ -53,7 +53,9 @@ static inline void ref_fill(float *x, int64_t n, uint64_t seed) {
     for (int64_t i = 0; i < n; i++) x[i] = ref_uniform(&r);
 }
 
-static inline float *ref_alloc_f(int64_t n) { return (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float)); }
+static inline float *ref_alloc_f(int64_t n) {
+    return (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+}
 static inline double *ref_alloc_d(int64_t n) {
     return (double *)calloc((size_t)(n > 0 ? n : 1), sizeof(double));
 }
@@ -67,7 +69,9 @@ typedef struct ref_shape {
     double scale; /* 0 = 1/sqrt(D) */
 } ref_shape;
 
-static inline double ref_scale(const ref_shape *s) { return s->scale != 0 ? s->scale : 1.0 / sqrt((double)s->D); }
+static inline double ref_scale(const ref_shape *s) {
+    return s->scale != 0 ? s->scale : 1.0 / sqrt((double)s->D);
+}
 static inline int ref_keeps(const ref_shape *s, int64_t i, int64_t j) {
     return !s->causal || j <= i + s->Sk - s->Sq;
 }
@@ -124,8 +128,9 @@ static inline void ref64_forward(const ref_shape *s, const float *q, const float
 }
 
 /* dq like q, dk and dv like k (overwritten). */
-static inline void ref64_backward(const ref_shape *s, const float *q, const float *k, const float *v,
-                           const float *dout, double *dq, double *dk, double *dv) {
+static inline void ref64_backward(const ref_shape *s, const float *q, const float *k,
+                                  const float *v, const float *dout, double *dq, double *dk,
+                                  double *dv) {
     double *p = ref_alloc_d(s->Sk), *dp = ref_alloc_d(s->Sk);
     int64_t g = s->H / s->Hkv;
     double scale = ref_scale(s);

@@ -134,7 +134,9 @@ static inline sp_shard sp_shard_alloc(const sp_case *c, const uly_plan *plan) {
     return s;
 }
 
-static inline void sp_shard_free(sp_shard *s) { free(s->in), free(s->grad), free(s->out), free(s->dout); }
+static inline void sp_shard_free(sp_shard *s) {
+    free(s->in), free(s->grad), free(s->out), free(s->dout);
+}
 
 /* The rank's tokens of q, k, v and dout, from the full tensors. */
 static inline void sp_shard_load(sp_shard *s, const sp_case *c, sp_full *f) {

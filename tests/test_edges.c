@@ -53,7 +53,8 @@ TEST(a_plan_whose_workspace_overflows_is_refused) {
 TEST(size_helpers_keep_overflow_sticky_and_exact_at_the_boundary) {
     CHECK(uly__add(-1, 5) == -1 && uly__mul(-1, 0) == -1, "add %lld mul %lld",
           (long long)uly__add(-1, 5), (long long)uly__mul(-1, 0));
-    CHECK(uly__mul(2, INT64_MAX / 2) == INT64_MAX - 1, "mul %lld", (long long)uly__mul(2, INT64_MAX / 2));
+    CHECK(uly__mul(2, INT64_MAX / 2) == INT64_MAX - 1, "mul %lld",
+          (long long)uly__mul(2, INT64_MAX / 2));
     static float x[8];
     uly_tensor t = uly_dense(x, ULY_F32, 3, 1, 1, 4);
     t.sb = (int64_t)1 << 62; /* (b - 1) * sb overflows */
@@ -94,7 +95,8 @@ TEST(dkv_unpack_copies_a_head_only_one_peer_holds_bit_for_bit) {
     for (int i = 0; i < 64; i++) recv[i] = 0xffc1; /* a NaN with sign and payload, as CUDA copies */
     uly_layout l = uly_cpu_layout();
     st = l.unpack(l.ctx, &p, ULY_X_DKV, recv, uly_dense(dst, ULY_BF16, 1, 1, 3, 2), NULL);
-    CHECK(!st.code && dst[0] == 0xffc1 && dst[3] == 0xffc1, "%s: %04x %04x", st.msg, dst[0], dst[3]);
+    CHECK(!st.code && dst[0] == 0xffc1 && dst[3] == 0xffc1, "%s: %04x %04x", st.msg, dst[0],
+          dst[3]);
 }
 
 /* ---- overlap checks ---- */
@@ -146,17 +148,18 @@ static void b1_forward(const uly_comm *c, void *u) {
     L.on_phase = count_phase;
     L.workspace_bytes = uly_layer_workspace(&L), L.workspace = malloc((size_t)L.workspace_bytes);
     void *saved = malloc((size_t)uly_saved_bytes(&p));
-    *(uly_status *)u = uly_forward(&L, uly_dense(x, ULY_F32, 1, 4, 2, 4),
-                                   uly_dense(x + 32, ULY_F32, 1, 4, 2, 4),
-                                   uly_dense(x + 64, ULY_F32, 1, 4, 2, 4),
-                                   uly_dense(x + 96, ULY_F32, 1, 4, 2, 4), saved, uly_saved_bytes(&p));
+    *(uly_status *)u =
+        uly_forward(&L, uly_dense(x, ULY_F32, 1, 4, 2, 4), uly_dense(x + 32, ULY_F32, 1, 4, 2, 4),
+                    uly_dense(x + 64, ULY_F32, 1, 4, 2, 4), uly_dense(x + 96, ULY_F32, 1, 4, 2, 4),
+                    saved, uly_saved_bytes(&p));
     free(saved), free(L.workspace);
 }
 TEST(with_B_1_the_head_layout_side_of_each_exchange_is_not_copied) {
     uly_status st = stub("not run");
     packs = unpacks = 0;
     uly_local_run(1, b1_forward, &st);
-    CHECK(!st.code && packs == 3 && unpacks == 1, "%s: %d packs, %d unpacks", st.msg, packs, unpacks);
+    CHECK(!st.code && packs == 3 && unpacks == 1, "%s: %d packs, %d unpacks", st.msg, packs,
+          unpacks);
 }
 
 /* ---- attention ---- */

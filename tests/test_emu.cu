@@ -102,7 +102,9 @@ __host__ __device__ inline int b_col(int lane, int) { return group_id(lane); }
 __host__ __device__ inline int c_row(int lane, int i) {
     return i < 2 ? group_id(lane) : group_id(lane) + 8;
 }
-__host__ __device__ inline int c_col(int lane, int i) { return thread_in_group(lane) * 2 + (i & 1); }
+__host__ __device__ inline int c_col(int lane, int i) {
+    return thread_in_group(lane) * 2 + (i & 1);
+}
 
 enum { MMA_K = 16 }; /* k of m16n8k16 */
 
@@ -421,7 +423,9 @@ static int shfl_reference(const ShflCase &c, int lane, const int *v) {
     }
 }
 
-__host__ __device__ inline int shfl_input(int tid) { return (tid / 32) * 1000 + (tid % 32) * 3 + 7; }
+__host__ __device__ inline int shfl_input(int tid) {
+    return (tid / 32) * 1000 + (tid % 32) * 3 + 7;
+}
 
 // Block b runs case b on two warps.
 __global__ void shfl_probe(const ShflCase *cases, int *out) {
@@ -492,7 +496,8 @@ TEST(shuffles_in_divergent_half_warps) {
     for (int l = 0; l < 32; l++) {
         double want_w = (l < 16 ? (l ^ 1) : (l ^ 2)) + 0.25;
         int in_group = l % 16;
-        float want_n = (float)(l < 16 ? (in_group + 2 < 16 ? l + 2 : l) : (in_group >= 2 ? l - 2 : l));
+        float want_n =
+            (float)(l < 16 ? (in_group + 2 < 16 ? l + 2 : l) : (in_group >= 2 ? l - 2 : l));
         CHECK(w[l] == want_w, "lane %d: double %g, want %g", l, w[l], want_w);
         CHECK(n[l] == want_n, "lane %d: bf16 %g, want %g", l, n[l], want_n);
     }
@@ -511,7 +516,8 @@ __global__ void votes(unsigned *out) {
     out[lane * 6 + 3] = __all_sync(0xffffffff, lane != 9);
     out[lane * 6 + 4] = __any_sync(0xffffffff, 0);
     // Odd and even lanes vote apart; each ballot covers only its own member mask.
-    out[lane * 6 + 5] = lane & 1 ? __ballot_sync(0xaaaaaaaa, 1) : __ballot_sync(0x55555555, lane < 8);
+    out[lane * 6 + 5] =
+        lane & 1 ? __ballot_sync(0xaaaaaaaa, 1) : __ballot_sync(0x55555555, lane < 8);
 }
 
 TEST(votes_cover_the_member_mask) {
@@ -795,14 +801,15 @@ __global__ void ex2_probe(const float *x, float *y, int n) {
 
 TEST(ex2_follows_the_ptx_isa) {
     struct Special { float x, want; };
-    const Special special[] = {{-INFINITY, 0.f}, {-0.f, 1.f},    {0.f, 1.f},       {INFINITY, INFINITY},
-                               {-1e-40f, 1.f},   {1e-40f, 1.f},  {-126.5f, 0.f},   {-127.f, 0.f},
-                               {-200.f, 0.f},    {-126.f, 0x1p-126f}};
+    const Special special[] = {
+        {-INFINITY, 0.f}, {-0.f, 1.f},    {0.f, 1.f},    {INFINITY, INFINITY}, {-1e-40f, 1.f},
+        {1e-40f, 1.f},    {-126.5f, 0.f}, {-127.f, 0.f}, {-200.f, 0.f},        {-126.f, 0x1p-126f}};
     const int ns = (int)(sizeof special / sizeof special[0]);
     std::vector<float> x;
     for (const Special &c : special) x.push_back(c.x);
     x.push_back(NAN);
-    for (int i = 0; i < 4096; i++) x.push_back(-126.f + 253.f * (float)small_int(0, 1 << 20) / (1 << 20));
+    for (int i = 0; i < 4096; i++)
+        x.push_back(-126.f + 253.f * (float)small_int(0, 1 << 20) / (1 << 20));
     const int n = (int)x.size();
     float *dx = upload(x), *dy = device_zeros<float>(x.size());
     ULY_LAUNCH(ex2_probe, (unsigned)(n + 127) / 128, 128, 0, 0, dx, dy, n);
@@ -1235,8 +1242,9 @@ __global__ void index_3d(int *hits, int *where) {
     const int thread = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
     const int id = block * blockDim.x * blockDim.y * blockDim.z + thread;
     atomicAdd(&hits[id], 1);
-    where[id] = (int)(blockIdx.x | blockIdx.y << 4 | blockIdx.z << 8 | threadIdx.x << 12 |
-                      threadIdx.y << 16 | threadIdx.z << 20 | (thread % 32 == (int)uly_lane_id()) << 24);
+    where[id] =
+        (int)(blockIdx.x | blockIdx.y << 4 | blockIdx.z << 8 | threadIdx.x << 12 |
+              threadIdx.y << 16 | threadIdx.z << 20 | (thread % 32 == (int)uly_lane_id()) << 24);
 }
 
 TEST(grids_and_blocks_in_three_dimensions) {
@@ -1375,7 +1383,8 @@ TEST(runtime_streams_events_and_copies) {
     cudaStream_t s = nullptr;
     cudaEvent_t start = nullptr, stop = nullptr;
     CHECK(cudaStreamCreate(&s) == cudaSuccess, "stream");
-    CHECK(cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess, "events");
+    CHECK(cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess,
+          "events");
     int *d = nullptr;
     CHECK(cudaMalloc(&d, 64 * sizeof(int)) == cudaSuccess, "malloc");
     cudaEventRecord(start, s);

@@ -15,7 +15,8 @@
    Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu).
    ULY_TEST_FILTER selects tests by name, e.g. ULY_TEST_FILTER=d128; ULY_FLASH_VERBOSE=1 prints
    every case's errors. Under the emulator main() asks for twice as many threads as the machine
-   has, at least 4 (ULY_EMU_THREADS, when set, wins). The harness and the references are in flash_case.h. */
+   has, at least 4 (ULY_EMU_THREADS, when set, wins). The harness and the references are in
+   flash_case.h. */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"

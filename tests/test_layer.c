@@ -209,8 +209,9 @@ TEST(fused_qkv_views_give_the_same_bits_as_separate_tensors) {
         uly_status st = uly_local_run(c.P, rank_main, &j);
         CHECK(st.code == ULY_OK, "%s", st.msg);
         result *r = run_case(i);
-        int64_t nd = ref_bitdiff(f.out, r->sp.out, sp_nq(&c)) + ref_bitdiff(f.dq, r->sp.dq, sp_nq(&c)) +
-                     ref_bitdiff(f.dk, r->sp.dk, sp_nkv(&c)) + ref_bitdiff(f.dv, r->sp.dv, sp_nkv(&c));
+        int64_t nd =
+            ref_bitdiff(f.out, r->sp.out, sp_nq(&c)) + ref_bitdiff(f.dq, r->sp.dq, sp_nq(&c)) +
+            ref_bitdiff(f.dk, r->sp.dk, sp_nkv(&c)) + ref_bitdiff(f.dv, r->sp.dv, sp_nkv(&c));
         CHECK(nd == 0, SP_CASE_FMT ": %lld values differ", SP_CASE_ARGS(&cases[i]), (long long)nd);
         sp_free(&f);
     }
@@ -326,7 +327,8 @@ TEST(q_head0_maps_a_head_slice_to_the_kv_heads_of_its_global_group) {
     static float q[B * S * H * D], k[B * S * HKV * D], v[B * S * HKV * D];
     static float o_full[B * S * H * D], lse_full[B * H * S], o_part[B * S * H * D],
         lse_part[B * 2 * S];
-    ref_fill(q, B * S * H * D, 11), ref_fill(k, B * S * HKV * D, 12), ref_fill(v, B * S * HKV * D, 13);
+    ref_fill(q, B * S * H * D, 11);
+    ref_fill(k, B * S * HKV * D, 12), ref_fill(v, B * S * HKV * D, 13);
     sp_fill_nan(o_part, B * S * H * D);
     attn_bufs full = {q, k, v, o_full, lse_full, NULL, NULL, NULL, NULL};
     uly_attn_args a = attn_args(&ac, &full);
@@ -343,8 +345,8 @@ TEST(q_head0_maps_a_head_slice_to_the_kv_heads_of_its_global_group) {
     int64_t nd = 0;
     for (int b = 0; b < B; b++)
         for (int s = 0; s < S; s++) {
-            nd += ref_bitdiff(o_part + ((b * S + s) * H + 2) * D, o_full + ((b * S + s) * H + 2) * D,
-                              2 * D);
+            nd += ref_bitdiff(o_part + ((b * S + s) * H + 2) * D,
+                              o_full + ((b * S + s) * H + 2) * D, 2 * D);
             nd += !isnan(o_part[((b * S + s) * H + 0) * D]); /* other heads untouched */
         }
     for (int b = 0; b < B; b++)

@@ -47,7 +47,8 @@ static double ref_ce(const float *logits, const int32_t *labels, int64_t n, int6
         double l = ref_lse(x, v);
         for (int64_t i = 0; i < v; i++)
             if (dlogits)
-                dlogits[t * v + i] = labels[t] == IGNORE ? 0 : exp((double)x[i] - l) - (i == labels[t]);
+                dlogits[t * v + i] =
+                    labels[t] == IGNORE ? 0 : exp((double)x[i] - l) - (i == labels[t]);
         if (labels[t] == IGNORE) continue;
         sum += l - (double)x[labels[t]];
         (*count)++;
@@ -185,7 +186,8 @@ TEST(dlogits_are_softmax_minus_onehot_and_zero_for_ignored_tokens) {
     CHECK(ref_maxdiff_fd(dl, want, N * V) <= 1e-6, "dlogits off by %g",
           ref_maxdiff_fd(dl, want, N * V));
     for (int t = 0; t < N; t += 4)
-        for (int i = 0; i < V; i++) CHECK(dl[t * V + i] == 0, "ignored token %d: dlogits %g", t, dl[t * V + i]);
+        for (int i = 0; i < V; i++)
+            CHECK(dl[t * V + i] == 0, "ignored token %d: dlogits %g", t, dl[t * V + i]);
 }
 
 TEST(dlogits_match_central_finite_differences_of_the_fp64_loss) {
@@ -333,7 +335,8 @@ static void check_sp_loss(int P, const int32_t *tokens, const char *what) {
     int32_t labels[LB * LS];
     ref_fill(logits, LB * LS * LV, 31);
     for (int b = 0; b < LB; b++)
-        for (int t = 0; t < LS; t++) labels[b * LS + t] = t == LS - 1 ? IGNORE : tokens[b * LS + t + 1];
+        for (int t = 0; t < LS; t++)
+            labels[b * LS + t] = t == LS - 1 ? IGNORE : tokens[b * LS + t + 1];
     int64_t count;
     double sum = ref_ce(logits, labels, LB * LS, LV, &count, want_d);
     double mean = count ? sum / (double)count : 0, scale = count ? 1.0 / (double)count : 0;
@@ -391,7 +394,8 @@ TEST(a_rank_whose_labels_are_all_ignored_contributes_zero_and_no_nan) {
           (long long)j.count[1]);
     for (int b = 0; b < LB; b++)
         for (int i = 6 * LV; i < 12 * LV; i++)
-            CHECK(dl[b * LS * LV + i] == 0, "rank 1's dlogits[%d, %d] = %g", b, i, dl[b * LS * LV + i]);
+            CHECK(dl[b * LS * LV + i] == 0, "rank 1's dlogits[%d, %d] = %g", b, i,
+                  dl[b * LS * LV + i]);
 }
 
 TEST(when_no_rank_has_a_valid_token_mean_and_grad_scale_are_zero) {

@@ -194,7 +194,8 @@ TEST(mpi_comm_reports_size_and_rank_of_its_communicator) {
 TEST(layer_over_mpi_matches_the_unsharded_references_on_every_shard) {
     uly_mpi m;
     uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 0);
-    for (int i = 0; i < NMPI; i++) check_layer(&comm, &mpi_cases[i], 2000 + (uint64_t)i, "unchunked");
+    for (int i = 0; i < NMPI; i++)
+        check_layer(&comm, &mpi_cases[i], 2000 + (uint64_t)i, "unchunked");
 }
 
 TEST(layer_over_mpi_with_1000_byte_chunks_matches_the_unsharded_references) {
@@ -231,7 +232,8 @@ static void check_alltoallv(int64_t chunk) {
         so[j] = st, st += sc[j] + 3;
         ro[j] = rt, rt += rc[j] + 3;
     }
-    unsigned char *send = (unsigned char *)malloc((size_t)st), *recv = (unsigned char *)malloc((size_t)rt);
+    unsigned char *send = (unsigned char *)malloc((size_t)st);
+    unsigned char *recv = (unsigned char *)malloc((size_t)rt);
     memset(send, 0xEE, (size_t)st);
     memset(recv, 0xAB, (size_t)rt);
     for (int j = 0; j < P; j++)

@@ -169,7 +169,8 @@ TEST(threads_of_a_failed_block_come_before_the_next_block) {
         CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "the trap did not fail the launch");
     });
     uly_emu_set_quiet(false);
-    const int next = reports_of(false, [&] { ULY_LAUNCH(warps_share, 1, 64, 256, 0, true, 0, out); });
+    const int next =
+        reports_of(false, [&] { ULY_LAUNCH(warps_share, 1, 64, 256, 0, true, 0, out); });
     CHECK(failed == 0 && next == 0, "%d reports in the failed block, %d in the next", failed, next);
 }
 

@@ -75,10 +75,11 @@
 namespace {
 
 // The calls uly_emu_nccl_calls counts and uly_emu_nccl_fail can fail.
-const char *const kCalls[] = {
-    "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommSplit", "ncclCommDestroy", "ncclCommAbort",
-    "ncclCommCount", "ncclCommUserRank", "ncclCommGetAsyncError", "ncclGroupStart", "ncclGroupEnd",
-    "ncclSend", "ncclRecv", "ncclAlltoAll", "ncclAllReduce"};
+const char *const kCalls[] = {"ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitRankConfig",
+                              "ncclCommSplit",   "ncclCommDestroy",  "ncclCommAbort",
+                              "ncclCommCount",   "ncclCommUserRank", "ncclCommGetAsyncError",
+                              "ncclGroupStart",  "ncclGroupEnd",     "ncclSend",
+                              "ncclRecv",        "ncclAlltoAll",     "ncclAllReduce"};
 constexpr int kNumCalls = sizeof kCalls / sizeof *kCalls;
 
 // Long enough for any peer of a test to reach its matching call, even under ASan.
