@@ -10,6 +10,7 @@
 #include "ulysses_cuda.cuh"
 
 #include <cfloat>
+#include <csignal>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +18,9 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "check.h"
 
@@ -1435,6 +1439,48 @@ TEST(stream_work_runs_after_its_call_in_queue_order) {
     cudaStreamDestroy(s);
 }
 
+// What a GPU would hang on ends the test loudly here: a call that waits for a stalled stream
+// (one naming it: a synchronize, a copy of pageable memory on it) aborts with a message naming
+// the call. Each case runs in a child (this program again, ULY_EMU_DEATH=call, which main()
+// runs instead of the tests).
+static void wait_on_a_stalled_stream(const char *call) {
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    int *x = device_zeros<int>(1), host = 0;
+    uly_emu_stall_stream(s, true);
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 1);
+    if (!strcmp(call, "cudaStreamSynchronize")) cudaStreamSynchronize(s);
+    if (!strcmp(call, "cudaMemcpyAsync"))
+        cudaMemcpyAsync(&host, x, sizeof host, cudaMemcpyDeviceToHost, s); /* pageable */
+    printf("%s returned\n", call);
+}
+
+TEST(a_wait_for_a_stalled_stream_aborts_and_names_the_call) {
+    for (const char *call : {"cudaStreamSynchronize", "cudaMemcpyAsync"}) {
+        int out[2];
+        CHECK(pipe(out) == 0, "pipe");
+        const pid_t child = fork();
+        if (child == 0) {
+            dup2(out[1], 1), dup2(out[1], 2);
+            setenv("ULY_EMU_DEATH", call, 1);
+            execl("/proc/self/exe", "test_emu", (char *)NULL);
+            _exit(127);
+        }
+        close(out[1]);
+        std::string text;
+        char buf[512];
+        for (ssize_t n; (n = read(out[0], buf, sizeof buf)) > 0;) text.append(buf, (size_t)n);
+        close(out[0]);
+        int status = 0;
+        waitpid(child, &status, 0);
+        CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT, "%s: status %#x, output: %s",
+              call, status, text.c_str());
+        CHECK(contains(text, call) && contains(text, "waits for a stalled stream") &&
+                  !contains(text, "returned"),
+              "%s: %s", call, text.c_str());
+    }
+}
+
 // b copies what a computes: with the event between them the copy waits for a, without it the
 // copy reads what was there before, as on a GPU whose a is still busy.
 TEST(an_event_orders_work_across_streams_and_its_absence_shows) {
@@ -1584,4 +1630,13 @@ TEST(device_properties_are_an_h100) {
 }
 #endif
 
-int main() { return uly_run_tests(); }
+int main() {
+#ifdef ULY_EMU
+    if (const char *call = getenv("ULY_EMU_DEATH")) {
+        uly_emu_set_quiet(true);
+        wait_on_a_stalled_stream(call);
+        return 0;
+    }
+#endif
+    return uly_run_tests();
+}
