@@ -308,9 +308,11 @@ GPU_BINS  += $(BUILD)/gpu/test_static_cuda
 
 # The flash layer in each dQ mode once (bf16 atomic, f16 deterministic): the other two differ
 # from these in the element type only; the split-group sums repeat the bf16 layer's kernels, and
-# packed documents the layer's calls with test_flash's varlen kernels (ASan runs both).
+# packed documents the layer's calls with test_flash's varlen kernels (ASan runs both). The
+# reference layer in bf16 only: the f16 deterministic flash layer runs the f16 layout kernels.
 ASAN_SKIP_test_cuda_layer = -flash_layer_f16,-flash_layer_deterministic_bf16,-split_group
 ASAN_SKIP_test_cuda_layer := $(ASAN_SKIP_test_cuda_layer),-attends_within_packed
+ASAN_SKIP_test_cuda_layer := $(ASAN_SKIP_test_cuda_layer),-layer_f16_matches_unsharded
 TESTS     += $(CUDA_TESTS:%=$(BUILD)/%) $(foreach t,$(CUDA_TESTS),$(call ASAN_RUN,$(t)))
 TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)
 ifeq ($(HAVE_NVCC),1)
@@ -402,10 +404,11 @@ $(BUILD)/gpu/test_cublaslt: tests/test_cublaslt.cu $(FLASH_HDRS)
 FLASH_TESTS = test_flash test_cublaslt
 # Determinism's three runs repeat one run, the 1000-row cases the matrix's kernels over more
 # tiles, the atomic f16 matrix the bf16 one's in another 2-byte type (the deterministic f16
-# matrix and varlen keep f16 under ASan), and the eight strides strided_inputs' accesses with
-# other numbers; cuBLASLt's agreement with flash repeats test_flash's kernels and the cuBLASLt
-# calls of the other test_cublaslt cases.
+# matrix and varlen keep f16 under ASan), the eight strides strided_inputs' accesses with other
+# numbers, and the grid shapes' check the matrix's launches; cuBLASLt's agreement with flash
+# repeats test_flash's kernels and the cuBLASLt calls of the other test_cublaslt cases.
 ASAN_SKIP_test_flash    = -bitwise_stable,-long_1000,-matrix_f16,-every_tensor_has_its_own
+ASAN_SKIP_test_flash   := $(ASAN_SKIP_test_flash),-flash_grids
 ASAN_SKIP_test_cublaslt = -agrees_with_flash
 TESTS     += $(FLASH_TESTS:%=$(BUILD)/%) $(foreach t,$(FLASH_TESTS),$(call ASAN_RUN,$(t)))
 TEST_BINS += $(FLASH_TESTS:%=$(BUILD)/%) $(FLASH_TESTS:%=$(BUILD)/asan/%)
