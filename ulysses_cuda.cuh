@@ -855,8 +855,14 @@ static uly_status uly__dl_barrier(void *ctx) {
 static void uly__dl_main(const uly_comm *host, void *user) {
     uly__dl_world *w = (uly__dl_world *)user;
     uly__dl_rank me = {host, w};
-    w->st[host->rank] = uly__cuda(cudaSetDevice(w->device), "device-local comm: cudaSetDevice");
-    if (w->st[host->rank].code) return;
+    uly_status *st = &w->st[host->rank];
+    *st = uly__cuda(cudaSetDevice(w->device), "device-local comm: cudaSetDevice");
+    /* fn runs on every rank or on none: one that returned alone would leave its peers waiting in
+       fn's first collective. uly_cuda_local_run returns the rank's error. */
+    double failed = st->code != 0;
+    const uly_status met = host->allreduce_sum(host->ctx, &failed, 1, NULL);
+    if (!st->code) *st = met;
+    if (failed || st->code) return;
     uly_comm c;
     memset(&c, 0, sizeof c);
     c.size = host->size, c.rank = host->rank;

@@ -824,6 +824,30 @@ TEST(device_local_bad_arguments_on_one_rank_fail_every_rank) {
               "rank %d: '%s'", r, j.st[r].msg);
 }
 
+#ifdef ULY_EMU
+static void count_rank(const uly_comm *c, void *user) {
+    (void)c;
+    __atomic_fetch_add((int *)user, 1, __ATOMIC_RELAXED);
+}
+
+/* uly_cuda_local_run runs the rank function on every rank or on none: where cudaSetDevice fails
+   on one rank (or all), none runs it (its peers would wait for it in their first collective)
+   and the call returns that rank's error; with the device back, all run. */
+TEST(device_local_run_runs_every_rank_or_none) {
+    for (int failures : {1, 3}) {
+        int ran = 0;
+        uly_emu_fail_set_device(failures);
+        const uly_status st = uly_cuda_local_run(3, count_rank, &ran);
+        CHECK(st.code == ULY_ECUDA && strstr(st.msg, "cudaSetDevice") && ran == 0,
+              "%d failing: '%s', %d ranks ran", failures, st.msg, ran);
+    }
+    uly_emu_fail_set_device(0);
+    int ran = 0;
+    const uly_status st = uly_cuda_local_run(3, count_rank, &ran);
+    CHECK(!st.code && ran == 3, "'%s', %d ranks ran", st.msg, ran);
+}
+#endif
+
 /* sp_cuda_case.h's barrier check, as test_nccl runs it for NCCL's. */
 TEST(device_local_barrier_holds_every_rank_until_all_arrive) {
     check_barrier(uly_cuda_local_run);

@@ -1656,8 +1656,9 @@ namespace {
     X(cudaErrorInvalidValue, "invalid argument")                                                   \
     X(cudaErrorNotReady, "device not ready")                                                       \
     X(cudaErrorMemoryAllocation, "out of memory")                                                  \
-    X(cudaErrorInvalidConfiguration, "invalid configuration argument")                            \
+    X(cudaErrorInvalidConfiguration, "invalid configuration argument")                             \
     X(cudaErrorInvalidDevice, "invalid device ordinal")                                            \
+    X(cudaErrorDevicesUnavailable, "CUDA-capable device(s) is/are busy or unavailable")            \
     X(cudaErrorInvalidResourceHandle, "invalid resource handle")                                   \
     X(cudaErrorIllegalAddress, "an illegal memory access was encountered")                         \
     X(cudaErrorMisalignedAddress, "misaligned address")                                            \
@@ -1943,7 +1944,16 @@ cudaError_t cudaGetDevice(int *d) {
     return cudaSuccess;
 }
 
-cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+static std::atomic<int> set_device_failures{0};  // uly_emu_fail_set_device
+void uly_emu_fail_set_device(int calls) { set_device_failures = calls; }
+
+cudaError_t cudaSetDevice(int d) {
+    int left = set_device_failures.load();
+    while (left > 0 && !set_device_failures.compare_exchange_weak(left, left - 1)) {
+    }
+    if (left > 0) return cudaErrorDevicesUnavailable;
+    return d == 0 ? cudaSuccess : cudaErrorInvalidDevice;
+}
 
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
     *free_bytes = *total = (size_t)80 << 30;

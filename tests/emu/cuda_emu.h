@@ -115,6 +115,10 @@ void uly_emu_stall_stream(cudaStream_t s, bool stalled);
 void uly_emu_queue(cudaStream_t s, std::function<void()> work);
 void uly_emu_drain(cudaStream_t s);
 
+// Test hook: the next `calls` calls of cudaSetDevice fail (cudaErrorDevicesUnavailable, as for
+// a device another process holds exclusively), whichever host threads make them.
+void uly_emu_fail_set_device(int calls);
+
 // Test hook: the opt-in shared memory per block the device reports and cudaFuncSetAttribute
 // accepts, as on a smaller GPU (sm_86 and sm_89: 99 KB); 0 restores the H100's 227 KB.
 void uly_emu_set_smem_optin(size_t bytes);
