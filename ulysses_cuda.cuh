@@ -120,7 +120,8 @@ ULYDEF uly_layout uly_cuda_layout(void);
    argument of each call); alltoallv copies device to device between the ranks' buffers, ordered
    by events, so the streams of different ranks run concurrently. allreduce_sum takes GPU or
    host memory (read once the stream is done) and synchronizes the stream. barrier meets the
-   host threads. */
+   host threads. Each thread makes the caller's GPU current; if that fails on any, fn runs on
+   none and the failing rank's error is returned. */
 ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
                                      void *user);
 
