@@ -451,12 +451,12 @@ template <typename T> __global__ void fill_ints(T *x, int64_t n, int mod, int ad
    2^31 and in between. A GPU with 17 GB free runs n just past 2^31 (a 32-bit index would wrap
    there); the emulator runs the same check on 7 blocks' worth, the formulas without the width. */
 TEST(cublaslt_elementwise_kernels_index_past_int32) {
-    size_t free_bytes = 0, total = 0;
-    cudaMemGetInfo(&free_bytes, &total);
     const int64_t SK = 1024, two31 = (int64_t)1 << 31;
 #ifdef ULY_EMU
     const int64_t rows = 7;
 #else
+    size_t free_bytes = 0, total = 0;
+    cudaMemGetInfo(&free_bytes, &total);
     const int64_t rows = free_bytes > ((size_t)17 << 30) ? two31 / SK + 1 : 7;
     if (rows == 7) printf("   (%zu bytes free: n = %lld, below 2^31)\n", free_bytes,
                           (long long)(rows * SK));

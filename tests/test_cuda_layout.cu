@@ -22,9 +22,9 @@
    call asks of the device: pack and unpack queue their work on the caller's stream only and
    allocate nothing, and they launch the kernel of 16-byte accesses where rows and buffers are
    16-byte aligned, of 8 or 4 bytes where those are the widest they allow, of single elements
-   otherwise; and offsets past int32 (again against the formulas). Then the bad inputs, each a
-   named error. Builds under the CUDA emulator (make test) and with nvcc for a GPU
-   (make test-gpu). */
+   otherwise; and offsets past int32 (again against the formulas). A block past 2^31 elements
+   (on a GPU with the memory). Then the bad inputs, each a named error. Builds under the CUDA
+   emulator (make test) and with nvcc for a GPU (make test-gpu). */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses_cuda.cuh"
@@ -790,5 +790,56 @@ TEST(the_grid_shares_its_blocks_among_the_columns) {
         }
 }
 #endif
+
+/* x[e] = e % 251, integers exact in bf16. */
+__global__ void fill_mod_251(__nv_bfloat16 *x, int64_t n) {
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += step)
+        x[e] = __float2bfloat16((float)(e % 251));
+}
+
+/* A block of more than 2^31 elements: the Q pack of rank 0 of P = 2 with two heads of 128 sends
+   each peer its S_0 tokens of one head, (2^24 + 2) * 128 elements on a GPU with 17 GB free
+   (flat indices past 2^31 inside one box, where a 32-bit index would wrap); the emulator packs 10
+   tokens, the formulas without the width. Element (s, d) of peer j's block is the tensor's
+   (s, j, d), sampled at both ends of the tokens and around s * 128 = 2^31. */
+TEST(a_block_past_2_31_elements_packs_by_the_formulas) {
+#ifdef ULY_EMU
+    const int64_t S0 = 10;
+#else
+    size_t free_bytes = 0, total = 0;
+    cudaMemGetInfo(&free_bytes, &total);
+    const int64_t S0 = free_bytes > ((size_t)17 << 30) ? ((int64_t)1 << 24) + 2 : 10;
+    if (S0 == 10) printf("   (%zu bytes free: a small block)\n", free_bytes);
+#endif
+    const lcase c = {2, 1, 2 * S0, 2, 2, 128};
+    uly_plan p;
+    const uly_status ps = plan_of(&c, 0, ULY_BF16, &p);
+    CHECK(!ps.code, "plan: %s", ps.msg);
+    if (ps.code) return;
+    const int64_t n = S0 * 2 * 128, blk = S0 * 128;
+    __nv_bfloat16 *src, *send;
+    cudaMalloc((void **)&src, (size_t)n * 2), cudaMalloc((void **)&send, (size_t)n * 2);
+    CHECK(src && send, "cudaMalloc of 2 x %lld elements", (long long)n);
+    ULY_LAUNCH(fill_mod_251, 4096, 256, 0, 0, src, n);
+    cudaMemset(send, 0xff, (size_t)n * 2);
+    const uly_tensor t = {src, 1, S0, 2, 128, S0 * 256, 256, 128, ULY_BF16};
+    const uly_layout l = uly_cuda_layout();
+    const uly_status st = l.pack(l.ctx, &p, ULY_X_Q, t, send, NULL);
+    CHECK(!st.code && cudaDeviceSynchronize() == cudaSuccess, "pack: %s", st.msg);
+    const int64_t two24 = (int64_t)1 << 24;
+    for (int64_t s : {(int64_t)0, S0 / 2, two24 - 1, two24, two24 + 1, S0 - 1})
+        for (int j = 0; j < 2; j++)
+            for (int64_t d : {0, 127}) {
+                if (s >= S0) continue;
+                __nv_bfloat16 got;
+                cudaMemcpy(&got, send + j * blk + s * 128 + d, 2, cudaMemcpyDeviceToHost);
+                const int want = (int)(((s * 2 + j) * 128 + d) % 251);
+                CHECK(__bfloat162float(got) == (float)want,
+                      "peer %d, token %lld, dim %lld: %g, want %d", j, (long long)s,
+                      (long long)d, __bfloat162float(got), want);
+            }
+    cudaFree(src), cudaFree(send);
+}
 
 int main(void) { return uly_run_tests(); }
