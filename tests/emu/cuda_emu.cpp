@@ -1504,6 +1504,11 @@ namespace {
 // .ftz: a subnormal becomes a zero of its sign.
 float flush(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.f, x) : x; }
 
+// p lies in the running block's shared-memory window (the dynamic arena).
+bool in_shared_window(const Worker *w, const void *p) {
+    return w && (uintptr_t)p - (uintptr_t)w->smem < kSmemPerBlock;
+}
+
 }  // namespace
 
 // ex2.approx.ftz.f32: the PTX ISA allows 2 ulp of error; the emulator rounds the exact value
@@ -1548,16 +1553,6 @@ void uly_emu_cp_async(uint32_t smem_addr, const void *src, int bytes, int src_by
     self->copies.push_back(Copy{smem_addr, src, bytes, src_bytes});
 }
 
-// red.global.add.v2.f32 (sm_90): a vector access, so p must be 8-byte aligned; each element
-// is its own atomic add.
-namespace {
-
-bool in_shared_window(const Worker *w, const void *p) {
-    return w && (uintptr_t)p - (uintptr_t)w->smem < kSmemPerBlock;
-}
-
-}  // namespace
-
 // atom.add.f32 and red.add.f32 without .noftz (atomicAdd's) flush subnormal inputs and results
 // to sign-preserving zero on global memory and keep them on shared memory (PTX ISA, atom and
 // red). Shared here is the block's dynamic window: a static __shared__ float, a thread_local of
@@ -1567,6 +1562,8 @@ float uly_emu_atomic_add(float *p, float v) {
     return uly__atomic_rmw(p, [v](float x) { return flush(flush(x) + flush(v)); });
 }
 
+// red.global.add.v2.f32 (sm_90): a vector access, so p must be 8-byte aligned and global; each
+// element is its own atomic add, flushed as atomicAdd's.
 void uly_emu_red_add2(float *p, float a, float b) {
     Fiber *self = current(tw, "red.global.add.v2.f32");
     if ((uintptr_t)p % 8 || in_shared_window(tw, p))
