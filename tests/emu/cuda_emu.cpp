@@ -691,6 +691,11 @@ unsigned shfl_source(int op, unsigned lane, int b, int c) {
 
 Fiber *lanes_of(Worker &w, unsigned warp) { return &w.fibers[warp * 32]; }
 
+// The tensor-core completions move registers (the lanes' operands) and rows of shared memory
+// whose bounds they check themselves: nothing there for ASan or UBSan, under which they took
+// half of an emulated flash test's time.
+#define UNCHECKED __attribute__((no_sanitize("address", "undefined")))
+
 void complete_shfl(Worker &w, unsigned warp, unsigned mask) {
     Fiber *lane = lanes_of(w, warp);
     for (unsigned m = mask; m; m &= m - 1) {
@@ -709,21 +714,37 @@ void complete_vote(Worker &w, unsigned warp, unsigned mask) {
     for (unsigned m = mask; m; m &= m - 1) lane[__builtin_ctz(m)].op.result = ballot;
 }
 
-float half_bits_to_float(uint16_t h, int type) {
-    if (type == ULY_EMU_BF16) return __uint_as_float((uint32_t)h << 16);
-    __half_raw r;
-    r.x = h;
-    return __half2float(__half(r));
+// mma's operands as numbers: bf16 is the top half of a float's bits, fp16 goes through a table
+// of its 65536 values (an mma converts 384 operands).
+struct HalfTable {
+    float value[65536];
+    HalfTable() {
+        for (unsigned i = 0; i < 65536; i++) {
+            __half_raw r;
+            r.x = (unsigned short)i;
+            value[i] = __half2float(__half(r));
+        }
+    }
+};
+const HalfTable kHalf;
+
+UNCHECKED double operand(uint16_t h, int type) {
+    if (type != ULY_EMU_BF16) return kHalf.value[h];
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-// D = A*B + C for mma.m16n8k{8,16}.row.col.f32, with the fragment layouts of the PTX ISA
+// D = A*B + C for mma.m16n8k16.row.col.f32, with the fragment layouts of the PTX ISA
 // (groupID = lane / 4, threadID_in_group = lane % 4). The products are exact; they are summed
 // with C in double, in order of k, and rounded once to float. Hardware rounds its own way in the
 // last bits.
-void complete_mma(Worker &w, unsigned warp) {
+UNCHECKED void complete_mma(Worker &w, unsigned warp) {
     Fiber *lane = lanes_of(w, warp);
-    const int k = 16, type = lane[0].op.c;  // m16n8k16
-    float A[16][16], B[16][8], C[16][8];
+    const int k = 16, type = lane[0].op.c;
+    double A[16][16], B[16][8];
+    float D[16][8];  // C, then the result
     for (unsigned t = 0; t < 32; t++) {
         const uint32_t *a = static_cast<const uint32_t *>(lane[t].op.in[0]);
         const uint32_t *b = static_cast<const uint32_t *>(lane[t].op.in[1]);
@@ -731,24 +752,23 @@ void complete_mma(Worker &w, unsigned warp) {
         unsigned g = t / 4, q = t % 4;
         for (int r = 0; r < k / 4; r++) {  // a register holds 2 elements along a row of A
             unsigned row = g + 8 * (r & 1), col = 2 * q + 8 * (r >> 1);
-            A[row][col] = half_bits_to_float(a[r] & 0xffff, type);
-            A[row][col + 1] = half_bits_to_float(a[r] >> 16, type);
+            A[row][col] = operand(a[r] & 0xffff, type);
+            A[row][col + 1] = operand(a[r] >> 16, type);
         }
         for (int r = 0; r < k / 8; r++) {  // ... and 2 elements along a column of B
             unsigned row = 2 * q + 8 * r;
-            B[row][g] = half_bits_to_float(b[r] & 0xffff, type);
-            B[row + 1][g] = half_bits_to_float(b[r] >> 16, type);
+            B[row][g] = operand(b[r] & 0xffff, type);
+            B[row + 1][g] = operand(b[r] >> 16, type);
         }
-        for (int i = 0; i < 4; i++) C[g + 8 * (i >> 1)][2 * q + (i & 1)] = c[i];
+        for (int i = 0; i < 4; i++) D[g + 8 * (i >> 1)][2 * q + (i & 1)] = c[i];
     }
     // Each output adds its products in order of k; the loop runs along n so the 8 sums of a
     // row advance together (independent, vectorizable) instead of one long dependency chain.
-    float D[16][8];
     for (int m = 0; m < 16; m++) {
         double row[8];
-        for (int n = 0; n < 8; n++) row[n] = C[m][n];
+        for (int n = 0; n < 8; n++) row[n] = D[m][n];
         for (int i = 0; i < k; i++)
-            for (int n = 0; n < 8; n++) row[n] += (double)A[m][i] * B[i][n];
+            for (int n = 0; n < 8; n++) row[n] += A[m][i] * B[i][n];
         for (int n = 0; n < 8; n++) D[m][n] = (float)row[n];
     }
     for (unsigned t = 0; t < 32; t++) {  // after all reads: d may alias c
@@ -757,7 +777,7 @@ void complete_mma(Worker &w, unsigned warp) {
     }
 }
 
-uint16_t load16(const unsigned char *p) {
+UNCHECKED uint16_t load16(const unsigned char *p) {
     uint16_t v;
     memcpy(&v, p, 2);
     return v;
@@ -779,7 +799,7 @@ int bank_conflicts(const Fiber *r) {
 
 // ldmatrix.m8n8.b16: lane 8*i + r gives the address of row r of matrix i; lane t receives, of
 // each matrix, row t/4, elements 2*(t%4) and 2*(t%4)+1 (with .trans: of the transposed matrix).
-void complete_ldmatrix(Worker &w, unsigned warp) {
+UNCHECKED void complete_ldmatrix(Worker &w, unsigned warp) {
     Fiber *lane = lanes_of(w, warp);
     const int n = lane[0].op.b;
     const bool trans = lane[0].op.c != 0;
