@@ -509,11 +509,12 @@ GPU_SAN_TESTS = 'skip:compute-sanitizer (neither on PATH nor in $(CUDA_HOME)/bin
 endif
 
 # --- top-level targets ---
-# The test binaries build in parallel, one job per core; then the tests run one at a time.
+# The test binaries build in parallel, one job per core; then the tests run, as many at a time
+# (tests/run.sh shows their outputs in order). The GPU tests run one at a time: they share the GPU.
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test:
 	@$(MAKE) --no-print-directory -j$(JOBS) $(TEST_BINS)
-	@STRICT=$(STRICT) tests/run.sh $(TESTS)
+	@STRICT=$(STRICT) JOBS=$(JOBS) tests/run.sh $(TESTS)
 
 # Every GPU program, built and not run (bench/lent_gpu.sh builds first, with make -k).
 build-gpu: $(GPU_BINS)

@@ -4,30 +4,75 @@
 # A program that crashes or ends without that line counts as one failure; a program named
 # "skip:REASON" counts as skipped, or as a failure under STRICT=1 (what CI runs). TIMEOUT=N
 # stops any one program after N seconds (make test-gpu: a hang costs that program, not the
-# programs after it).
+# programs after it). JOBS=N runs N programs at a time (make test: one per core; an emulated
+# kernel test keeps about one and a half busy); their outputs still come whole and in order,
+# the first unfinished one's as it is written.
 passed=0 failed=0 skipped=0
-log=$(mktemp)
-trap 'rm -f "$log" "$log.rc"' EXIT
-for t in "$@"; do
+jobs=${JOBS:-1}
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+
+# Program $1 (of the programs after it) into $dir/$1.out; its exit status and seconds into
+# $dir/$1.end once it is done.
+start() {
+    eval "t=\${$(($1 + 2))}"
+    case "$t" in skip:*) echo 0 0 > "$dir/$1.end"; return ;; esac
+    (
+        s=$(date +%s)
+        ${TIMEOUT:+timeout -k 5 "$TIMEOUT"} sh -c "$t" > "$dir/$1.out" 2>&1
+        rc=$?
+        echo "$rc $(($(date +%s) - s))" > "$dir/$1.tmp" && mv "$dir/$1.tmp" "$dir/$1.end"
+    ) &
+}
+
+# Prints what program $1 has written since the last call (shown bytes in $shown).
+show() {
+    [ -f "$dir/$1.out" ] || return 0
+    size=$(wc -c < "$dir/$1.out")
+    [ "$size" -gt "$shown" ] && head -c "$size" "$dir/$1.out" | tail -c +$((shown + 1))
+    shown=$size
+}
+
+# Adds program $1's result to the tally (its output is shown by then).
+tally() {
+    eval "t=\${$(($1 + 2))}"
+    read -r rc secs < "$dir/$1.end"
     case "$t" in
     skip:*)
         echo "skip ${t#skip:}"
         if [ "${STRICT:-0}" = 1 ]; then failed=$((failed + 1)); else skipped=$((skipped + 1)); fi
-        continue ;;
+        return ;;
     esac
-    echo "== $t"
-    start=$(date +%s)
-    # Streamed, not captured: a program killed by a timeout still shows how far it got.
-    { ${TIMEOUT:+timeout -k 5 "$TIMEOUT"} sh -c "$t" 2>&1; echo $? > "$log.rc"; } | tee "$log"
-    rc=$(cat "$log.rc"); out=$(cat "$log")
-    echo "   ($(($(date +%s) - start)) s)"
-    line=$(printf '%s\n' "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1)
+    echo "   ($secs s)"
+    line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$dir/$1.out" | tail -n 1)
     if [ -n "$line" ]; then
         p=${line%% passed*}; f=${line#*passed, }; f=${f%% failed*}
         passed=$((passed + p)); failed=$((failed + f))
         [ "$rc" -ne 0 ] && [ "$f" -eq 0 ] && { echo "FAIL $t exited $rc"; failed=$((failed + 1)); }
     else
         echo "FAIL $t (exit $rc, no summary line)"; failed=$((failed + 1))
+    fi
+}
+
+n=$# started=0 next=0 shown=-1
+while [ "$next" -lt "$n" ]; do
+    ended=$(find "$dir" -name '*.end' | wc -l)
+    while [ "$started" -lt "$n" ] && [ $((started - ended)) -lt "$jobs" ]; do
+        start "$started" "$@"
+        started=$((started + 1))
+    done
+    eval "t=\${$((next + 1))}"
+    if [ "$shown" -lt 0 ]; then
+        case "$t" in skip:*) ;; *) echo "== $t" ;; esac
+        shown=0
+    fi
+    show "$next"
+    if [ -f "$dir/$next.end" ]; then
+        show "$next"
+        tally "$next" "$@"
+        next=$((next + 1)) shown=-1
+    else
+        sleep 0.2
     fi
 done
 echo
