@@ -30,6 +30,12 @@ MPIRUN   = OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --ov
 EMU_CXXFLAGS = $(CXXFLAGS) -Itests -isystem $(CUDA_HOME)/include
 NVCCFLAGS = -std=c++17 -O3 -I. -Itests -Werror all-warnings -Xcompiler -Wall,-Wextra
 NVARCH   = -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+# test_flash (whose ptxas report make test reads for spills), the NCCL example and the
+# benchmarks build every kernel for both; the other GPU test programs, the same kernels, build
+# for the GPU here (sm_90 without one), which is all make test-gpu runs them on.
+GPU_SM  := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | \
+                   head -n 1 | tr -d .)
+TESTARCH = -arch=sm_$(or $(GPU_SM),90)
 
 HAVE_MPI   := $(shell command -v $(MPICC) >/dev/null 2>&1 && echo 1)
 HAVE_NVCC  := $(shell command -v $(NVCC) >/dev/null 2>&1 && echo 1)
@@ -205,12 +211,12 @@ $(BUILD)/asan/test_emu: tests/test_emu.cu $(EMU_HDRS) $(EMU_ASAN_OBJ)
 $(BUILD)/bench_emu: bench/bench_emu.cu $(EMU_HDRS) $(EMU_OBJ)
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
-# The same self-test on a GPU: built whenever nvcc is here (so make test proves it compiles for
-# sm_80 and sm_90), run by make test-gpu.
+# The same self-test on a GPU: built whenever nvcc is here (so make test proves that it
+# compiles), run by make test-gpu.
 $(BUILD)/gpu/test_emu: tests/test_emu.cu ulysses.h ulysses_cuda.cuh tests/check.h \
                        tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@
+	$(NVCC) $(NVCCFLAGS) $(TESTARCH) -x cu $< -o $@
 
 TESTS      += $(BUILD)/test_emu $(BUILD)/asan/test_emu
 TEST_BINS  += $(BUILD)/test_emu $(BUILD)/asan/test_emu $(if $(HAVE_NVCC),$(BUILD)/gpu/test_emu)
@@ -223,7 +229,7 @@ BENCH_BINS += $(BUILD)/bench_emu
 # The GPU layer (ulysses_cuda.cuh): layout kernels, device-local and NCCL communicators, the
 # reference attention. test_cuda_layout and test_cuda_layer run under the emulator, plain and
 # ASan (make test), and on a GPU (make test-gpu). make test also builds them and the NCCL example
-# with nvcc for sm_80 and sm_90 (-Werror, -lnccl) and fails if a layout kernel spills.
+# (sm_80 and sm_90, -lnccl) with nvcc, -Werror, and fails if a layout kernel spills.
 # test_nccl runs the NCCL communicator under the emulator against tests/emu/nccl_emu.cpp, an
 # in-process NCCL whose ranks are threads (it needs nccl.h, not libnccl); it has no GPU build,
 # since NCCL refuses two ranks on one GPU: on GPUs the NCCL example runs under MPI.
@@ -253,7 +259,7 @@ $(CUDA_TESTS:%=$(BUILD)/asan/%): $(BUILD)/asan/%: tests/%.cu $(CUDA_HDRS) $(EMU_
 	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
 $(CUDA_TESTS:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: tests/%.cu $(CUDA_HDRS)
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
+	$(NVCC) $(NVCCFLAGS) $(TESTARCH) -x cu $< -o $@
 $(BUILD)/gpu/sp_attention_nccl: examples/sp_attention_nccl.cu $(CUDA_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) $(NCCL_INC) $(MPI_CUFLAGS) -x cu $< -o $@ $(MPI_CULIBS) \
@@ -300,7 +306,7 @@ $(BUILD)/asan/test_static_cuda: $(CUDA_STATIC_SRC) $(EMU_HDRS) $(EMU_ASAN_OBJ)
 	    $(LDLIBS)
 $(BUILD)/gpu/test_static_cuda: $(CUDA_STATIC_SRC) $(EMU_HDRS)
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $(CUDA_STATIC_SRC) -o $@
+	$(NVCC) $(NVCCFLAGS) $(TESTARCH) -x cu $(CUDA_STATIC_SRC) -o $@
 TESTS     += $(BUILD)/test_static_cuda $(BUILD)/asan/test_static_cuda
 TEST_BINS += $(BUILD)/test_static_cuda $(BUILD)/asan/test_static_cuda
 GPU_TESTS += $(BUILD)/gpu/test_static_cuda
@@ -316,8 +322,8 @@ ASAN_SKIP_test_cuda_layer := $(ASAN_SKIP_test_cuda_layer),-layer_f16_matches_uns
 TESTS     += $(CUDA_TESTS:%=$(BUILD)/%) $(foreach t,$(CUDA_TESTS),$(call ASAN_RUN,$(t)))
 TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)
 ifeq ($(HAVE_NVCC),1)
-TESTS     += 'tests/ptxas_spills.sh $(BUILD)/gpu/test_cuda_layout.ptxas uly__box_copy'
-TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
+TESTS     += 'tests/ptxas_spills.sh $(BUILD)/gpu/test_flash.ptxas uly__box_copy'
+TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/gpu/%) $(BUILD)/gpu/test_flash
 else
 TESTS     += 'skip:layout kernel build and spill check (no nvcc)'
 endif
@@ -366,8 +372,8 @@ TEST_BINS += $(CUDA_BENCHES:%=$(BUILD)/emu/%)
 # --- attention kernels ---
 # The flash kernels (ulysses_cuda.cuh). test_flash checks them against fp64, plain-precision
 # and CPU references: under the emulator, plain and ASan builds (make test), and on a GPU (make
-# test-gpu). Its nvcc build (sm_80 and sm_90, -Werror) keeps ptxas -v's report, and make test
-# fails if any flash kernel spills registers. test_cublaslt checks the cuBLASLt attention and
+# test-gpu). Its nvcc build (sm_80 and sm_90, -Werror) keeps ptxas -v's report of every kernel,
+# and make test fails if a flash or layout kernel spills registers. test_cublaslt checks the cuBLASLt attention and
 # flash's agreement with it: under the emulator against tests/emu/cublaslt_emu.cpp (a double of
 # the documented GEMM), and on a GPU against the real library.
 FLASH_HDRS = ulysses.h ulysses_cuda.cuh tests/flash_case.h tests/ref64.h \
@@ -399,7 +405,7 @@ $(BUILD)/asan/test_cublaslt: tests/test_cublaslt.cu tests/emu/cublaslt_emu.h $(F
 	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 $(BUILD)/gpu/test_cublaslt: tests/test_cublaslt.cu $(FLASH_HDRS)
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCCFLAGS) $(NVARCH) -x cu $< -o $@ -lcublasLt
+	$(NVCC) $(NVCCFLAGS) $(TESTARCH) -x cu $< -o $@ -lcublasLt
 
 FLASH_TESTS = test_flash test_cublaslt
 # Determinism's three runs repeat one run, the 1000-row cases the matrix's kernels over more
