@@ -13,8 +13,8 @@
    less the attention windows. Windows of two phases can still overlap a little (one rank
    packing while another attends), so the shares can add up to more than 100%. With B = 1 the
    query side needs no unpack and the output side no pack (the driver sends and receives in
-   place). Medians over 7 runs after 3 warm-up runs, the shares of each run's own times. Prints
-   a table on stdout.
+   place). Medians over 7 runs after 3 warm-up runs (one of each in make test's emulated smoke
+   run), the shares of each run's own times. Prints a table on stdout.
    The shares outside attention are upper bounds: each exchange meets the other ranks' threads
    on the host, so time the GPU spends waiting for the host counts as exchange time.
    One GPU plays four: attention does four ranks' work on it while the exchange is a copy in its
@@ -26,7 +26,8 @@
 #include "../ulysses_cuda.cuh"
 #include "bench_cuda.h"
 
-enum { P = 4, H = 32, HKV = 8, D = 128, WARMUP = 3, RUNS = 7, MARKS = 64 };
+enum { P = 4, H = 32, HKV = 8, D = 128, MARKS = 64 };
+enum { WARMUP = BENCH_SMOKE ? 1 : 3, RUNS = BENCH_SMOKE ? 1 : 7 };
 static const char *const phases[] = {"pack", "exchange", "attention", "unpack"};
 
 /* Events at the phase hooks of one pass (forward or backward) on one rank's stream. */
