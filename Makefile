@@ -459,13 +459,15 @@ endif
 # ordered). test_race proves the detector on kernels with and without the barrier. TSan makes
 # the emulator ~15x slower, so test_flash and test_cuda_layer run a subset that still takes every
 # dense kernel and code path (not varlen's check kernel and row offsets): both head dims, causal
-# or not, tails, GQA, Sq != Sk, deterministic dQ, masked rows, the device-local exchange.
+# or not, tails, GQA, Sq != Sk, deterministic dQ, masked rows, the device-local exchange, and
+# the flash layer over 4 and 3 device-local ranks (split_group: the layer's matrices repeat it
+# over more shapes at 7x the time).
 TSAN          = -fsanitize=thread -fno-omit-frame-pointer
 EMU_TSAN_OBJ  = $(BUILD)/tsan/emu/cuda_emu.o
 TSAN_CTESTS   = test_layer test_loss test_errors
 TSAN_TESTS    = test_race test_cuda_layout test_cuda_layer test_flash
 TSAN_FLASH    = matrix_bf16,matrix_deterministic_f16_d64,masked,large_logits
-TSAN_LAYER    = reference,layer_f32,flash_layer_deterministic_bf16,device_local,rejects
+TSAN_LAYER    = reference,layer_f32,split_group,device_local,rejects
 
 $(TSAN_CTESTS:%=$(BUILD)/tsan/%): $(BUILD)/tsan/%: tests/%.c $(ULY_TEST_DEPS)
 	@mkdir -p $(@D)
