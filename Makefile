@@ -373,9 +373,10 @@ TEST_BINS += $(CUDA_BENCHES:%=$(BUILD)/emu/%)
 # The flash kernels (ulysses_cuda.cuh). test_flash checks them against fp64, plain-precision
 # and CPU references: under the emulator, plain and ASan builds (make test), and on a GPU (make
 # test-gpu). Its nvcc build (sm_80 and sm_90, -Werror) keeps ptxas -v's report of every kernel,
-# and make test fails if a flash or layout kernel spills registers. test_cublaslt checks the cuBLASLt attention and
-# flash's agreement with it: under the emulator against tests/emu/cublaslt_emu.cpp (a double of
-# the documented GEMM), and on a GPU against the real library.
+# and make test fails if a flash or layout kernel spills registers. test_cublaslt checks the
+# cuBLASLt attention and flash's agreement with it: under the emulator against
+# tests/emu/cublaslt_emu.cpp (a double of the documented GEMM), and on a GPU against the real
+# library.
 FLASH_HDRS = ulysses.h ulysses_cuda.cuh tests/flash_case.h tests/ref64.h \
              $(EMU_HDRS)
 

@@ -4,16 +4,16 @@
 # A program that crashes or ends without that line counts as one failure; a program named
 # "skip:REASON" counts as skipped, or as a failure under STRICT=1 (what CI runs). TIMEOUT=N
 # stops any one program after N seconds (make test-gpu: a hang costs that program, not the
-# programs after it). JOBS=N runs N programs at a time (make test: one per core; an emulated
-# kernel test keeps about one and a half busy); their outputs still come whole and in order,
-# the first unfinished one's as it is written.
+# programs after it). JOBS=N runs N programs at a time (make test: one per core, though an
+# emulated kernel test keeps about one and a half busy); their outputs still come whole and in
+# order, the first unfinished one's as it is written.
 passed=0 failed=0 skipped=0
 jobs=${JOBS:-1}
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 
-# Program $1 (of the programs after it) into $dir/$1.out; its exit status and seconds into
-# $dir/$1.end once it is done.
+# Starts program number $1 of the arguments after it in the background: its output goes to
+# $dir/$1.out, and its exit status and seconds to $dir/$1.end when it ends.
 start() {
     eval "t=\${$(($1 + 2))}"
     case "$t" in skip:*) echo 0 0 > "$dir/$1.end"; return ;; esac
