@@ -9,6 +9,7 @@
 # order, the first unfinished one's as it is written.
 passed=0 failed=0 skipped=0
 jobs=${JOBS:-1}
+[ "$jobs" -ge 1 ] 2>/dev/null || jobs=1
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 
