@@ -67,9 +67,11 @@ while [ "$next" -lt "$n" ]; do
         case "$t" in skip:*) ;; *) echo "== $t" ;; esac
         shown=0
     fi
+    # Whether it is done, asked before show: its .end file comes after its last output.
+    finished=0
+    [ -f "$dir/$next.end" ] && finished=1
     show "$next"
-    if [ -f "$dir/$next.end" ]; then
-        show "$next"
+    if [ "$finished" = 1 ]; then
         tally "$next" "$@"
         next=$((next + 1)) shown=-1
     else

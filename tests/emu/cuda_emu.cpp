@@ -691,11 +691,6 @@ unsigned shfl_source(int op, unsigned lane, int b, int c) {
 
 Fiber *lanes_of(Worker &w, unsigned warp) { return &w.fibers[warp * 32]; }
 
-// The tensor-core completions move registers (the lanes' operands) and rows of shared memory
-// whose bounds they check themselves: nothing there for ASan or UBSan, under which they took
-// half of an emulated flash test's time.
-#define UNCHECKED __attribute__((no_sanitize("address", "undefined")))
-
 void complete_shfl(Worker &w, unsigned warp, unsigned mask) {
     Fiber *lane = lanes_of(w, warp);
     for (unsigned m = mask; m; m &= m - 1) {
@@ -713,6 +708,11 @@ void complete_vote(Worker &w, unsigned warp, unsigned mask) {
         ballot |= (unsigned)(lane[__builtin_ctz(m)].op.value & 1) << __builtin_ctz(m);
     for (unsigned m = mask; m; m &= m - 1) lane[__builtin_ctz(m)].op.result = ballot;
 }
+
+// The tensor-core completions move registers (the lanes' operands) and rows of shared memory
+// whose bounds they check themselves: nothing there for ASan or UBSan, under which they took
+// half of an emulated flash test's time.
+#define UNCHECKED __attribute__((no_sanitize("address", "undefined")))
 
 // mma's operands as numbers: bf16 is the top half of a float's bits, fp16 goes through a table
 // of its 65536 values (an mma converts 384 operands).
