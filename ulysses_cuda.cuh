@@ -1097,6 +1097,10 @@ ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s)
         const cudaError_t q = cudaStreamQuery((cudaStream_t)stream);
         if (q != cudaSuccess && q != cudaErrorNotReady)
             return uly__cuda(q, "uly_nccl_wait: cudaStreamQuery");
+        /* The runtime keeps "not ready", like any answer but success, as the thread's last error,
+           which the next launch's check (cudaGetLastError) would take for its own failure. */
+        if (q == cudaErrorNotReady && cudaPeekAtLastError() == cudaErrorNotReady)
+            (void)cudaGetLastError();
         uly_status st = uly__nccl_async(comm, "uly_nccl_wait"); /* done is not enough: a peer
                                                                    may have failed since */
         if (!st.code && q == cudaSuccess) return st;

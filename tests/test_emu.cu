@@ -1422,6 +1422,12 @@ static int peek(const int *d) {  // device memory read in place: emulator only
     return *(const volatile int *)d;
 }
 
+// A query's "not ready" is also the thread's last error (a_querys_not_ready_is_the_last_error_
+// until_taken): the tests take it, as a program must before its next launch check.
+static bool not_ready(cudaError_t e) {
+    return e == cudaErrorNotReady && cudaGetLastError() == cudaErrorNotReady;
+}
+
 TEST(stream_work_runs_after_its_call_in_queue_order) {
     cudaStream_t s;
     cudaStreamCreate(&s);
@@ -1430,8 +1436,7 @@ TEST(stream_work_runs_after_its_call_in_queue_order) {
     ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 1);
     ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 10, 2);
     CHECK(cudaGetLastError() == cudaSuccess, "launch");
-    CHECK(peek(x) == 0 && cudaStreamQuery(s) == cudaErrorNotReady, "ran while queued: %d",
-          peek(x));
+    CHECK(peek(x) == 0 && not_ready(cudaStreamQuery(s)), "ran while queued: %d", peek(x));
     uly_emu_stall_stream(s, false);
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && cudaStreamQuery(s) == cudaSuccess, "sync");
     CHECK(peek(x) == 12, "x = %d, want (0 + 1) * 10 + 2", peek(x));
@@ -1493,7 +1498,7 @@ TEST(an_event_orders_work_across_streams_and_its_absence_shows) {
     cudaEventRecord(done, a);
     cudaStreamWaitEvent(b, done, 0);
     cudaMemcpyAsync(y, x, sizeof(int), cudaMemcpyDeviceToDevice, b);
-    CHECK(cudaStreamQuery(b) == cudaErrorNotReady && peek(y) == 0, "b went on: y = %d", peek(y));
+    CHECK(not_ready(cudaStreamQuery(b)) && peek(y) == 0, "b went on: y = %d", peek(y));
     uly_emu_stall_stream(a, false);
     CHECK(cudaStreamSynchronize(b) == cudaSuccess && peek(y) == 5, "with the event: y = %d",
           peek(y));
@@ -1562,7 +1567,7 @@ TEST(async_sets_run_on_the_stream_in_queue_order) {
     ULY_LAUNCH(scale_add, 1, 1, 0, s, y + 2, 1, 3);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     CHECK(peek(x) == 0 && peek(y) == 0 && peek(y + 2) == 0 &&
-              cudaStreamQuery(s) == cudaErrorNotReady,
+              not_ready(cudaStreamQuery(s)),
           "ran while stalled: x = %d, y = %d %d", peek(x), peek(y), peek(y + 2));
     uly_emu_stall_stream(s, false);
     CHECK(cudaStreamSynchronize(s) == cudaSuccess, "sync");
@@ -1570,6 +1575,26 @@ TEST(async_sets_run_on_the_stream_in_queue_order) {
     CHECK(peek(y) == 0 && peek(y + 2) == 3, "y = %d %d, want (9 set to 0) and (0 set to 0) + 3",
           peek(y), peek(y + 2));
     cudaFree(x), cudaFree(y);
+    cudaStreamDestroy(s);
+}
+
+// A query's "not ready" stays the thread's last error until taken (CUDA Runtime API,
+// cudaGetLastError: "the last error that has been produced by any of the runtime calls"), where
+// the next launch's check would find it; the calls that wait for the work do not answer it.
+TEST(a_querys_not_ready_is_the_last_error_until_taken) {
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    int *x = device_zeros<int>(1);
+    uly_emu_stall_stream(s, true);
+    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 1);
+    CHECK(cudaStreamQuery(s) == cudaErrorNotReady, "done while stalled");
+    uly_emu_stall_stream(s, false);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess && cudaStreamQuery(s) == cudaSuccess,
+          "the sync or a later query answers the earlier query's not ready");
+    CHECK(cudaPeekAtLastError() == cudaErrorNotReady && cudaGetLastError() == cudaErrorNotReady &&
+              cudaGetLastError() == cudaSuccess,
+          "not ready is not the last error until cudaGetLastError takes it");
+    cudaFree(x);
     cudaStreamDestroy(s);
 }
 
@@ -1582,7 +1607,7 @@ TEST(an_event_completes_when_its_stream_reaches_the_record) {
     uly_emu_stall_stream(s, true);
     cudaEventRecord(e, s);
     float ms;
-    CHECK(cudaEventElapsedTime(&ms, e, e) == cudaErrorNotReady, "complete on a stalled stream");
+    CHECK(not_ready(cudaEventElapsedTime(&ms, e, e)), "complete on a stalled stream");
     uly_emu_stall_stream(s, false);
     CHECK(cudaEventSynchronize(e) == cudaSuccess &&
               cudaEventElapsedTime(&ms, e, e) == cudaSuccess,

@@ -1210,9 +1210,17 @@ TEST(nonblocking_call_that_never_completes_is_ecomm_after_the_timeout) {
     CHECK(!j.st[1].code, "rank 1: '%s'", j.st[1].msg);
 }
 
-/* A timeout of 0 is no limit: uly_nccl_wait on a stream busy for 50 ms waits for it. */
+/* A timeout of 0 is no limit: uly_nccl_wait on a stream busy for 50 ms waits for it, and
+   leaves no "not ready" of its queries as the last error, where the next launch's check would
+   read it. */
+typedef struct busy_job {
+    uly_status st[2];
+    double waited[2];
+    cudaError_t last[2];
+} busy_job;
+
 static void busy_main(const uly_comm *c, void *user) {
-    stall_job *j = (stall_job *)user;
+    busy_job *j = (busy_job *)user;
     const int r = c->rank;
     cudaStream_t s;
     cudaStreamCreate(&s);
@@ -1220,14 +1228,17 @@ static void busy_main(const uly_comm *c, void *user) {
     const double t0 = seconds();
     j->st[r] = uly_nccl_wait(nccl_of(c), s, 0);
     j->waited[r] = seconds() - t0;
+    j->last[r] = cudaGetLastError();
     cudaStreamDestroy(s);
 }
 
 TEST(wait_without_a_timeout_waits_for_a_busy_stream) {
-    const stall_job j = run_job<stall_job>(nccl_run, 2, busy_main);
+    const busy_job j = run_job<busy_job>(nccl_run, 2, busy_main);
     for (int r = 0; r < 2; r++)
-        CHECK(!j.st[r].code && j.waited[r] >= 0.04, "rank %d: '%s' after %.3f s, want success "
-              "once the stream is done", r, j.st[r].msg, j.waited[r]);
+        CHECK(!j.st[r].code && j.waited[r] >= 0.04 && j.last[r] == cudaSuccess,
+              "rank %d: '%s' after %.3f s, last error '%s'; want success once the stream is "
+              "done, and no error left", r, j.st[r].msg, j.waited[r],
+              cudaGetErrorName(j.last[r]));
 }
 
 #if ULY_NCCL_ALLTOALL

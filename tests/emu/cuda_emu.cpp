@@ -1689,9 +1689,19 @@ const char *error_text(cudaError_t e, bool name) {
     return name ? "cudaErrorUnknown" : "unknown error";
 }
 
+// What a call returns for the work queued before it: the thread's error, but not a query's
+// "not ready", which stays the last error (cudaGetLastError) and no other call returns.
 cudaError_t pending() {
     std::lock_guard<std::mutex> lock(host->m);
-    return host->error;
+    return host->error == cudaErrorNotReady ? cudaSuccess : host->error;
+}
+
+// "Not ready" is a query's answer, and like any answer but success the thread's last error
+// (CUDA Runtime API, cudaGetLastError: "the last error that has been produced by any of the
+// runtime calls"), which a launch check that follows reads as its own.
+cudaError_t not_ready() {
+    set_error(cudaErrorNotReady);
+    return cudaErrorNotReady;
 }
 
 // Live allocations by address and their extent, so cudaPointerGetAttributes can tell device
@@ -1880,7 +1890,8 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     return pending();
 }
 cudaError_t cudaStreamQuery(cudaStream_t s) {
-    return stream_of(s)->idle() ? pending() : cudaErrorNotReady;
+    const cudaError_t e = pending();
+    return e != cudaSuccess || stream_of(s)->idle() ? e : not_ready();
 }
 // Waits for the records of e asked before this call, and for nothing recorded later.
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
@@ -1919,13 +1930,16 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
     if (!start || !end) return cudaErrorInvalidResourceHandle;
     std::chrono::steady_clock::time_point a, b;
-    if (!start->e->reached_at(&a) || !end->e->reached_at(&b)) return cudaErrorNotReady;
+    if (!start->e->reached_at(&a) || !end->e->reached_at(&b)) return not_ready();
     *ms = std::chrono::duration<float, std::milli>(b - a).count();
     return cudaSuccess;
 }
 
 cudaError_t cudaGetLastError() { return take_error(); }
-cudaError_t cudaPeekAtLastError() { return pending(); }
+cudaError_t cudaPeekAtLastError() {
+    std::lock_guard<std::mutex> lock(host->m);
+    return host->error;
+}
 const char *cudaGetErrorString(cudaError_t e) { return error_text(e, false); }
 const char *cudaGetErrorName(cudaError_t e) { return error_text(e, true); }
 cudaError_t cudaDeviceSynchronize() {
