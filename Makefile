@@ -308,6 +308,9 @@ $(BUILD)/gpu/test_static_cuda: $(CUDA_STATIC_SRC) $(EMU_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(TESTARCH) -x cu $(CUDA_STATIC_SRC) -o $@
 TESTS     += $(BUILD)/test_static_cuda $(BUILD)/asan/test_static_cuda
+# A toolkit older than 12.1 stops at the header's #error, which names the need.
+TESTS     += 'out=$$($(CXX) $(EMU_CXXFLAGS) -fsyntax-only -x c++ tests/cuda_too_old.cu 2>&1); \
+              echo "$$out" | grep "needs CUDA 12.1" && echo "1 passed, 0 failed"'
 TEST_BINS += $(BUILD)/test_static_cuda $(BUILD)/asan/test_static_cuda
 GPU_TESTS += $(BUILD)/gpu/test_static_cuda
 GPU_BINS  += $(BUILD)/gpu/test_static_cuda

@@ -102,6 +102,10 @@
 
 #include "ulysses.h"
 
+#if defined(CUDART_VERSION) && CUDART_VERSION < 12010
+#error "ulysses_cuda.cuh needs CUDA 12.1 or newer: the layout kernel's parameter is about 7 KB"
+#endif
+
 /* ---------------------------------------------------------------------------------------------
    Declarations */
 
@@ -489,7 +493,8 @@ static uly_status uly__cuda(cudaError_t e, const char *what) {
 enum { ULY__COPY_THREADS = 256, ULY__COPY_BLOCKS = 2048 };
 
 /* The kernel's parameters, by value: the per-peer tables make them about 7 KB, which CUDA
-   allows since 12.1 (32 KB; 4 KB before), and they sit in constant memory, read by index. */
+   allows since 12.1 (32 KB; 4 KB before), and they sit in constant memory, read by index in
+   place (__grid_constant__: no thread copies them to its stack to take an element's address). */
 struct uly__boxes {
     void *t, *buf;
     int64_t sb, ss, sh;        /* t's strides, elements */
@@ -584,7 +589,7 @@ enum uly__copy_mode { ULY__PACK, ULY__UNPACK, ULY__UNPACK_SUM };
    access. */
 template <typename T, int W, int MODE>
 __global__ void __launch_bounds__(ULY__COPY_THREADS, MODE == ULY__UNPACK_SUM ? 4 : 8)
-    uly__box_copy(const uly__boxes x) {
+    uly__box_copy(const __grid_constant__ uly__boxes x) {
     typedef uly__vec<T, W> V;
     const int j = x.box[blockIdx.y]; /* not empty, and with heads of its own to write */
     const int64_t t0 = x.by_heads ? 0 : x.start[j], nt = x.by_heads ? x.width : x.count[j];

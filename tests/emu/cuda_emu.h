@@ -65,8 +65,11 @@
 #undef __shared__
 #define __shared__ static thread_local
 
-// An occupancy hint means nothing here (host_defines.h defines it for nvcc only).
+// An occupancy hint means nothing here (host_defines.h defines it for nvcc only), nor does a
+// parameter read in place (GCC would warn about the unknown attribute host_defines.h gives it).
 #define __launch_bounds__(...)
+#undef __grid_constant__
+#define __grid_constant__
 
 // ---------------------------------------------------------------------------------------------
 // Builtin variables, set by the scheduler for the running fiber.
