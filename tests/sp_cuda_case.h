@@ -200,8 +200,14 @@ static uly_status gpu_run_rank(const uly_comm *comm, job *j) {
 
     cudaStream_t stream;
     cudaStreamCreate(&stream);
-    uly_layer L = uly_cuda_layer(&plan, comm, stream);
-    L.attn = j->attn; /* the flash default, or the reference */
+    /* The layer from its parts, not uly_cuda_layer (whose defaults have a test of their own):
+       test_nccl, which runs the reference attention, then builds no flash kernel (ULYSSES_STATIC
+       drops what nothing names), a third of its build. */
+    uly_layer L;
+    memset(&L, 0, sizeof L);
+    L.plan = &plan, L.comm = comm, L.stream = stream;
+    L.layout = uly_cuda_layout();
+    L.attn = j->attn; /* flash or the reference */
     L.softmax_scale = c->scale;
     L.causal = c->causal;
     L.deterministic = j->deterministic;
