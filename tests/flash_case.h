@@ -6,6 +6,7 @@
 #ifndef ULY_FLASH_CASE_H
 #define ULY_FLASH_CASE_H
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -102,42 +103,53 @@ static void reference_seq(const fcase &c, int64_t sq, int64_t sk, const float *q
                           double *lse, double *dq, double *dk, double *dv) {
     const int64_t H = c.H, Hkv = c.Hkv, D = c.D;
     const double scale = softmax_scale(c);
-    dvec s((size_t)sk), p((size_t)sk), dp((size_t)sk);
+    dvec s((size_t)sk), p((size_t)sk), dp((size_t)sk), acc((size_t)D);
     for (int64_t h = 0; h < H; h++) {
         const int64_t hk = kv_of(c, h);
         for (int64_t i = 0; i < sq; i++) {
             const float *qi = q + (i * H + h) * D, *doi = dout + (i * H + h) * D;
+            /* Keys past the causal bound have probability 0 and add nothing anywhere below. */
+            const int64_t kept = c.causal ? std::min(sk, std::max<int64_t>(0, i + sk - sq + 1))
+                                          : sk;
             double mx = -INFINITY;
-            for (int64_t j = 0; j < sk; j++) {
-                const bool kept = !c.causal || j <= i + sk - sq;
+            for (int64_t j = 0; j < kept; j++) {
+                const float *kj = k + (j * Hkv + hk) * D;
                 double dot = 0;
-                for (int64_t d = 0; d < D; d++) dot += (double)qi[d] * k[(j * Hkv + hk) * D + d];
-                s[j] = kept ? r.scores(c.dt, dot * scale) : -INFINITY;
+                for (int64_t d = 0; d < D; d++) dot += (double)qi[d] * kj[d];
+                s[j] = r.scores(c.dt, dot * scale);
                 mx = fmax(mx, s[j]);
             }
             double sum = 0;
-            for (int64_t j = 0; j < sk; j++) sum += mx == -INFINITY ? 0 : exp(s[j] - mx);
-            const double l = mx == -INFINITY ? INFINITY : mx + log(sum);
+            for (int64_t j = 0; j < kept; j++) sum += exp(s[j] - mx);
+            const double l = kept ? mx + log(sum) : INFINITY;
             lse[h * sq + i] = l;
-            for (int64_t j = 0; j < sk; j++) p[j] = r.rest(c.dt, exp(s[j] - l));
-            double dsum = 0;
+            for (int64_t j = 0; j < kept; j++) p[j] = r.rest(c.dt, exp(s[j] - l));
+            std::fill(acc.begin(), acc.end(), 0.0);
+            for (int64_t j = 0; j < kept; j++) {
+                const float *vj = v + (j * Hkv + hk) * D;
+                for (int64_t d = 0; d < D; d++) acc[d] += p[j] * vj[d];
+            }
+            double *oi = o + (i * H + h) * D, dsum = 0;
             for (int64_t d = 0; d < D; d++) {
-                double acc = 0;
-                for (int64_t j = 0; j < sk; j++) acc += p[j] * v[(j * Hkv + hk) * D + d];
-                o[(i * H + h) * D + d] = r.rest(c.dt, acc);
-                dsum += (double)doi[d] * o[(i * H + h) * D + d];
+                oi[d] = r.rest(c.dt, acc[d]);
+                dsum += (double)doi[d] * oi[d];
             }
-            for (int64_t j = 0; j < sk; j++) {
-                double acc = 0;
-                for (int64_t d = 0; d < D; d++) acc += (double)doi[d] * v[(j * Hkv + hk) * D + d];
-                dp[j] = r.rest(c.dt, p[j] * (r.rest(c.dt, acc) - dsum)); /* dS */
+            for (int64_t j = 0; j < kept; j++) {
+                const float *vj = v + (j * Hkv + hk) * D;
+                double dpj = 0;
+                for (int64_t d = 0; d < D; d++) dpj += (double)doi[d] * vj[d];
+                dp[j] = r.rest(c.dt, p[j] * (r.rest(c.dt, dpj) - dsum)); /* dS */
             }
-            for (int64_t j = 0; j < sk; j++)
+            double *dqi = dq + (i * H + h) * D;
+            for (int64_t j = 0; j < kept; j++) {
+                const float *kj = k + (j * Hkv + hk) * D;
+                double *dkj = dk + (j * Hkv + hk) * D, *dvj = dv + (j * Hkv + hk) * D;
                 for (int64_t d = 0; d < D; d++) {
-                    dq[(i * H + h) * D + d] += scale * dp[j] * k[(j * Hkv + hk) * D + d];
-                    dk[(j * Hkv + hk) * D + d] += scale * dp[j] * qi[d];
-                    dv[(j * Hkv + hk) * D + d] += p[j] * doi[d];
+                    dqi[d] += scale * dp[j] * kj[d];
+                    dkj[d] += scale * dp[j] * qi[d];
+                    dvj[d] += p[j] * doi[d];
                 }
+            }
         }
     }
 }
