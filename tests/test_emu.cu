@@ -1422,12 +1422,16 @@ static int peek(const int *d) {  // device memory read in place: emulator only
     return *(const volatile int *)d;
 }
 
-// A query's "not ready" is also the thread's last error (a_querys_not_ready_is_the_last_error_
-// until_taken): the tests take it, as a program must before its next launch check.
+// A query's "not ready" is also the thread's last error (stream_work_runs_after_its_call_in_
+// queue_order): the tests take it, as a program must before its next launch check.
 static bool not_ready(cudaError_t e) {
     return e == cudaErrorNotReady && cudaGetLastError() == cudaErrorNotReady;
 }
 
+// The query that sees the work queued answers "not ready", which stays the thread's last error
+// until taken (CUDA Runtime API, cudaGetLastError: "the last error that has been produced by
+// any of the runtime calls"), where the next launch's check would find it; the calls that wait
+// for the work do not answer it.
 TEST(stream_work_runs_after_its_call_in_queue_order) {
     cudaStream_t s;
     cudaStreamCreate(&s);
@@ -1436,10 +1440,15 @@ TEST(stream_work_runs_after_its_call_in_queue_order) {
     ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 1);
     ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 10, 2);
     CHECK(cudaGetLastError() == cudaSuccess, "launch");
-    CHECK(peek(x) == 0 && not_ready(cudaStreamQuery(s)), "ran while queued: %d", peek(x));
+    CHECK(peek(x) == 0 && cudaStreamQuery(s) == cudaErrorNotReady, "ran while queued: %d",
+          peek(x));
     uly_emu_stall_stream(s, false);
-    CHECK(cudaStreamSynchronize(s) == cudaSuccess && cudaStreamQuery(s) == cudaSuccess, "sync");
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess && cudaStreamQuery(s) == cudaSuccess,
+          "sync, or a later query, answers the earlier query's not ready");
     CHECK(peek(x) == 12, "x = %d, want (0 + 1) * 10 + 2", peek(x));
+    CHECK(cudaPeekAtLastError() == cudaErrorNotReady && cudaGetLastError() == cudaErrorNotReady &&
+              cudaGetLastError() == cudaSuccess,
+          "not ready is not the last error until cudaGetLastError takes it");
     cudaFree(x);
     cudaStreamDestroy(s);
 }
@@ -1566,8 +1575,7 @@ TEST(async_sets_run_on_the_stream_in_queue_order) {
     cudaMemset2DAsync(y, 2 * sizeof(int), 0, sizeof(int), 2, s);  // y[0] and y[2]
     ULY_LAUNCH(scale_add, 1, 1, 0, s, y + 2, 1, 3);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    CHECK(peek(x) == 0 && peek(y) == 0 && peek(y + 2) == 0 &&
-              not_ready(cudaStreamQuery(s)),
+    CHECK(peek(x) == 0 && peek(y) == 0 && peek(y + 2) == 0 && not_ready(cudaStreamQuery(s)),
           "ran while stalled: x = %d, y = %d %d", peek(x), peek(y), peek(y + 2));
     uly_emu_stall_stream(s, false);
     CHECK(cudaStreamSynchronize(s) == cudaSuccess, "sync");
@@ -1575,26 +1583,6 @@ TEST(async_sets_run_on_the_stream_in_queue_order) {
     CHECK(peek(y) == 0 && peek(y + 2) == 3, "y = %d %d, want (9 set to 0) and (0 set to 0) + 3",
           peek(y), peek(y + 2));
     cudaFree(x), cudaFree(y);
-    cudaStreamDestroy(s);
-}
-
-// A query's "not ready" stays the thread's last error until taken (CUDA Runtime API,
-// cudaGetLastError: "the last error that has been produced by any of the runtime calls"), where
-// the next launch's check would find it; the calls that wait for the work do not answer it.
-TEST(a_querys_not_ready_is_the_last_error_until_taken) {
-    cudaStream_t s;
-    cudaStreamCreate(&s);
-    int *x = device_zeros<int>(1);
-    uly_emu_stall_stream(s, true);
-    ULY_LAUNCH(scale_add, 1, 1, 0, s, x, 1, 1);
-    CHECK(cudaStreamQuery(s) == cudaErrorNotReady, "done while stalled");
-    uly_emu_stall_stream(s, false);
-    CHECK(cudaStreamSynchronize(s) == cudaSuccess && cudaStreamQuery(s) == cudaSuccess,
-          "the sync or a later query answers the earlier query's not ready");
-    CHECK(cudaPeekAtLastError() == cudaErrorNotReady && cudaGetLastError() == cudaErrorNotReady &&
-              cudaGetLastError() == cudaSuccess,
-          "not ready is not the last error until cudaGetLastError takes it");
-    cudaFree(x);
     cudaStreamDestroy(s);
 }
 
