@@ -1185,6 +1185,7 @@ TEST(nonblocking_split_allreduce_and_barrier) {
 typedef struct stall_job {
     uly_status st[2];
     double waited[2];
+    cudaError_t last[2]; /* the last error after the call */
 } stall_job;
 
 static void stall_main(const uly_comm *c, void *user) {
@@ -1213,14 +1214,8 @@ TEST(nonblocking_call_that_never_completes_is_ecomm_after_the_timeout) {
 /* A timeout of 0 is no limit: uly_nccl_wait on a stream busy for 50 ms waits for it, and
    leaves no "not ready" of its queries as the last error, where the next launch's check would
    read it. */
-typedef struct busy_job {
-    uly_status st[2];
-    double waited[2];
-    cudaError_t last[2];
-} busy_job;
-
 static void busy_main(const uly_comm *c, void *user) {
-    busy_job *j = (busy_job *)user;
+    stall_job *j = (stall_job *)user;
     const int r = c->rank;
     cudaStream_t s;
     cudaStreamCreate(&s);
@@ -1233,7 +1228,7 @@ static void busy_main(const uly_comm *c, void *user) {
 }
 
 TEST(wait_without_a_timeout_waits_for_a_busy_stream) {
-    const busy_job j = run_job<busy_job>(nccl_run, 2, busy_main);
+    const stall_job j = run_job<stall_job>(nccl_run, 2, busy_main);
     for (int r = 0; r < 2; r++)
         CHECK(!j.st[r].code && j.waited[r] >= 0.04 && j.last[r] == cudaSuccess,
               "rank %d: '%s' after %.3f s, last error '%s'; want success once the stream is "

@@ -1692,8 +1692,8 @@ const char *error_text(cudaError_t e, bool name) {
 // What a call returns for the work queued before it: the thread's error, but not a query's
 // "not ready", which stays the last error (cudaGetLastError) and no other call returns.
 cudaError_t pending() {
-    std::lock_guard<std::mutex> lock(host->m);
-    return host->error == cudaErrorNotReady ? cudaSuccess : host->error;
+    const cudaError_t e = cudaPeekAtLastError();
+    return e == cudaErrorNotReady ? cudaSuccess : e;
 }
 
 // "Not ready" is a query's answer, and like any answer but success the thread's last error
