@@ -6,8 +6,8 @@
    "all tokens, my heads"; each rank runs ordinary attention over the full sequence for its heads;
    one more all-to-all turns the output back into "my tokens, all heads". The backward is the same
    exchanges in reverse. Per layer the forward's all-to-alls move about 4*N*h/P elements per rank
-   (N = B*S tokens, h = H*D; with GQA the k and v exchanges are Hkv/H of that), and the
-   backward's as many again.
+   (N = B*S tokens, h = H*D; with GQA the k and v exchanges are about max(Hkv, P)/H of that, as
+   a kv head that several ranks need is sent to each), and the backward's as many again.
 
      rank r: q,k,v [B, S_r, H, D] --pack--> all-to-all --> [B, S, H_r, D] --attention--> o
              out   [B, S_r, H, D] <--unpack-- all-to-all <--pack-- o [B, S, H_r, D], lse [B, H_r, S]
@@ -137,8 +137,8 @@ typedef struct uly_tensor {
 } uly_tensor;
 
 ULYDEF int64_t uly_dtype_size(uly_dtype t);
-/* A dense [b, s, h, d] tensor. One whose elements overflow int64 gets strides -1, which every
-   call that takes it refuses (ULY_EOVERFLOW). */
+/* A dense [b, s, h, d] tensor. One whose strides (s*h*d) overflow int64 gets strides -1; every
+   call refuses such a tensor, and any view whose bytes overflow int64 (ULY_EOVERFLOW). */
 ULYDEF uly_tensor uly_dense(void *data, uly_dtype t, int64_t b, int64_t s, int64_t h, int64_t d);
 /* The view of heads [h0, h0 + n) of t. */
 ULYDEF uly_tensor uly_head_slice(uly_tensor t, int64_t h0, int64_t n);
@@ -282,9 +282,9 @@ typedef struct uly_attn_args {
 typedef struct uly_attn {
     uly_status (*fwd)(void *ctx, const uly_attn_args *a);
     uly_status (*bwd)(void *ctx, const uly_attn_args *a);
-    /* Bytes of workspace: the layer asks once, with the backward's fields set, and passes the
-       same buffer to fwd and bwd, so the answer must cover both. -1 when a is NULL or its
-       sizes overflow. */
+    /* Bytes of workspace: the layer asks on every call, with the backward's fields set, and
+       passes the same buffer to fwd and bwd, so the answer must cover both. -1 when a is NULL
+       or its sizes overflow. */
     int64_t (*workspace)(void *ctx, const uly_attn_args *a);
     void *ctx;
     /* Optional: what fwd (backward = 0) or bwd would refuse in a, without running. The layer
@@ -356,7 +356,7 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l);
 ULYDEF int64_t uly_saved_bytes(const uly_plan *p);
 ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
 /* q, k, v, out in sequence layout [B, S_r, H or Hkv, D] (views into a fused buffer are fine).
-   saved holds saved_bytes, at least uly_saved_bytes() (one sized for another plan is an error).
+   saved holds saved_bytes, at least uly_saved_bytes() (a smaller one is an error).
    saved and the workspace must not overlap each other or any tensor (an error), and dq, dk and
    dv not each other, except as consecutive slices along b, s or h of one view (uly_qkv_views'
    fused [.., H + 2 Hkv, D]) or as one view shifted into the gaps between its rows (heads
@@ -669,7 +669,7 @@ static uly_status uly__check_like(const char *name, uly_tensor t, uly_tensor wan
                "%s: shape [%lld, %lld, %lld, %lld], want [%lld, %lld, %lld, %lld]", name,
                ULY__LL(t.b), ULY__LL(t.s), ULY__LL(t.h), ULY__LL(t.d), ULY__LL(want.b),
                ULY__LL(want.s), ULY__LL(want.h), ULY__LL(want.d));
-    ULY__CHECK(t.dtype == want.dtype, ULY_EINVAL, "%s: dtype %s, want %s (the plan's dtype)",
+    ULY__CHECK(t.dtype == want.dtype, ULY_EINVAL, "%s: dtype %s, want %s",
                name, uly__dtype_name(t.dtype), uly__dtype_name(want.dtype));
     return uly__check_view(name, t);
 }
@@ -930,10 +930,10 @@ ULYDEF uly_status uly_plan_init(uly_plan *p, const uly_plan_desc *desc) {
     int64_t fused = uly__bytes(&q, q.desc.seq_len, heads);
     ULY__CHECK(fused >= 0 && uly_saved_bytes(&q) >= 0 && uly__work_at(&q, NULL, &w) >= 0,
                ULY_EOVERFLOW,
-               "batch (%lld) x seq_len (%lld) x heads (%lld + 2 x %lld) x head_dim (%lld) x "
-               "%lld bytes overflows int64", ULY__LL(q.desc.batch), ULY__LL(q.desc.seq_len),
-               ULY__LL(q.desc.n_heads), ULY__LL(q.desc.n_kv_heads), ULY__LL(q.desc.head_dim),
-               ULY__LL(q.elem_size));
+               "batch (%lld), seq_len (%lld), heads (%lld + 2 x %lld), head_dim (%lld), "
+               "%lld-byte elements: the fused QKV, saved or workspace bytes overflow int64",
+               ULY__LL(q.desc.batch), ULY__LL(q.desc.seq_len), ULY__LL(q.desc.n_heads),
+               ULY__LL(q.desc.n_kv_heads), ULY__LL(q.desc.head_dim), ULY__LL(q.elem_size));
     ULY__TRY(uly__check_peer_bytes(&q, q.desc.max_bytes, "max_bytes"));
     *p = q;
     return uly__ok();
@@ -1489,8 +1489,9 @@ ULYDEF uly_layout uly_cpu_layout(void) {
    Row r of query head i sees keys j < n(r) (all, or bottom-right causal) with scores
    s_j = scale * q_r . k_j; p = softmax(s), o_r = p V, lse_r = log sum_j exp(s_j). Every row is
    computed by the same loops in the same order whatever tensor it sits in, so attention over a
-   rank's heads is bitwise the rows of attention over all heads. K and V of one kv head are
-   transposed to [D][keys] in the workspace so that the score loops run over contiguous keys. */
+   rank's heads is bitwise the rows of attention over all heads. K of one kv head (and, for the
+   backward, V) is transposed to [D][keys] in the workspace so that the score loops run over
+   contiguous keys. */
 
 /* The scale softmax_scale stands for (0: 1/sqrt(D)). */
 static float uly__scale_of(float softmax_scale, int64_t head_dim) {
@@ -1525,8 +1526,8 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     ULY__CHECK(k.b == q.b, ULY_EINVAL, "k.b (%lld) != q.b (%lld)", ULY__LL(k.b), ULY__LL(q.b));
     ULY__CHECK(k.d == q.d, ULY_EINVAL, "k.d (%lld) != q.d (%lld)", ULY__LL(k.d), ULY__LL(q.d));
     ULY__CHECK(k.h >= 1 && (a->kv_group || q.h % k.h == 0), ULY_EINVAL,
-               "k.h (%lld) must divide q.h (%lld) when kv_group is 0", ULY__LL(k.h),
-               ULY__LL(q.h));
+               "k.h (%lld) must be positive and, when kv_group is 0, divide q.h (%lld)",
+               ULY__LL(k.h), ULY__LL(q.h));
     ULY__TRY(uly__check_like("k", k, kv));
     ULY__TRY(uly__check_like("v", a->v, kv));
     ULY__TRY(uly__check_like("o", a->o, q));
