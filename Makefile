@@ -230,8 +230,9 @@ BENCH_BINS += $(BUILD)/bench_emu
 # --- cuda ---
 # The GPU layer (ulysses_cuda.cuh): layout kernels, device-local and NCCL communicators, the
 # reference attention. test_cuda_layout and test_cuda_layer run under the emulator, plain and
-# ASan (make test), and on a GPU (make test-gpu). make test also builds them and the NCCL example
-# (sm_80 and sm_90, -lnccl) with nvcc, -Werror, and fails if a layout kernel spills.
+# ASan (make test), and on a GPU (make test-gpu). make test also builds them with nvcc for this
+# machine's GPU (sm_90 without one) and the NCCL example for sm_80 and sm_90 (libnccl.so.2),
+# -Werror, and fails if a layout kernel spills.
 # test_nccl runs the NCCL communicator under the emulator against tests/emu/nccl_emu.cpp, an
 # in-process NCCL whose ranks are threads (it needs nccl.h, not libnccl); it has no GPU build,
 # since NCCL refuses two ranks on one GPU: on GPUs the NCCL example runs under MPI.
@@ -314,10 +315,10 @@ TEST_BINS += $(BUILD)/test_static_cuda
 GPU_TESTS += $(BUILD)/gpu/test_static_cuda
 GPU_BINS  += $(BUILD)/gpu/test_static_cuda
 
-# The flash layer in bf16 (every case, half of them in each dQ mode): the f16 matrix differs in
-# the element type only; the split-group sums repeat the bf16 layer's kernels, and packed
-# documents the layer's calls with test_flash's varlen kernels (ASan runs both). The reference
-# layer in every dtype (a second each).
+# The flash layer in bf16 (every case, half of them in each dQ mode): the f16 matrix runs the
+# same kernels in another element type (each case in its other dQ mode); the split-group sums
+# repeat the bf16 layer's kernels, and packed documents the layer's calls with test_flash's
+# varlen kernels (ASan runs both). The reference layer in every dtype (a second each).
 ASAN_SKIP_test_cuda_layer = -flash_layer_f16,-split_group,-attends_within_packed
 TESTS     += $(CUDA_TESTS:%=$(BUILD)/%) $(foreach t,$(CUDA_TESTS),$(call ASAN_RUN,$(t)))
 TEST_BINS += $(CUDA_TESTS:%=$(BUILD)/%) $(CUDA_TESTS:%=$(BUILD)/asan/%)

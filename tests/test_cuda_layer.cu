@@ -23,10 +23,10 @@
      uly_flash_attention run unsharded; so are dQ, in both dQ modes, and dK, dV where no group
      is split; where one is, they are the summed shares bit for bit (two cases), within 2^-7
      (bf16) or 2^-10 (f16) relative in the rest.
-     Against the CPU fp32 layer (uly_cpu_attention over uly_cpu_layout, the same inputs
-     widened) and fp64 it meets test_flash's accuracy rule. The same with packed documents
-     (uly_flash_varlen_attention) that cross shard boundaries, against unsharded varlen flash
-     and references that attend within each document.
+     In atomic-dQ mode, against the CPU fp32 layer (uly_cpu_attention over uly_cpu_layout, the
+     same inputs widened) and fp64 it meets test_flash's accuracy rule. The same with packed
+     documents (uly_flash_varlen_attention) that cross shard boundaries, against unsharded
+     varlen flash and references that attend within each document.
    - Under the emulator, which records what each rank thread asks of the device: the flash
      layer's uly_forward and uly_backward queue everything on the caller's stream and allocate
      nothing.

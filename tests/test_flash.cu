@@ -2,7 +2,7 @@
 
    For every case the inputs are random values already rounded to the dtype, and three things
    are computed from them:
-     ref64   attention forward and backward in fp64, from the formulas (below);
+     ref64   attention forward and backward in fp64, from the formulas (ref64.h);
      lowp    the same steps with every intermediate tensor rounded to the dtype, as a plain
              bf16/fp16 attention computes it (S, P, O, dP, dS, dQ, dK, dV);
      cpu     ulysses.h's fp32 reference, uly_cpu_attention.

@@ -3,12 +3,12 @@
    NCCL whose ranks are threads (each a thread of uly_local_run with its own communicator).
 
    - The SP layer over uly_nccl_comm for P = 1..4 equals the same attention run unsharded: the
-     forward bit for bit, the backward within test_cuda_layer's tolerance, and in fp32 the CPU
-     reference (sp_cuda_case.h's check_layer). Where S, H and Hkv divide by P every block of
-     every exchange has one size on every rank, and the layer calls alltoall: ncclAlltoAll; with
-     uneven S none does, and alltoallv moves all with grouped ncclSend/ncclRecv. The double's
-     call counts prove which path ran, and its record (each NCCL call with its stream) that
-     every exchange was queued on the layer's stream.
+     forward and backward bit for bit (dK, dV of a split group: the ranks' shares summed as the
+     layer sums them), and in fp32 the CPU reference (sp_cuda_case.h's check_layer). Where S,
+     H and Hkv divide by P every block of every exchange has one size on every rank, and the
+     layer calls alltoall: ncclAlltoAll; with uneven S none does, and alltoallv moves all with
+     grouped ncclSend/ncclRecv. The double's call counts prove which path ran, and its record
+     (each NCCL call with its stream) that every exchange was queued on the layer's stream.
    - alltoallv: every byte lands where the counts and offsets say and no other byte is written,
      through one ncclSend and one ncclRecv per non-empty block, never ncclAlltoAll (a collective
      all ranks would have to choose alike): for uniform counts, uneven counts with empty blocks,
