@@ -204,7 +204,8 @@ typedef struct uly_varlen {
    Non-finite inputs: a tile's products multiply the zero probabilities of masked keys into V
    (and P, dS into dout, K), and 0 * Inf is NaN, so an Inf or NaN in k or v at a key some rows
    of its tile mask, or in dout at a row with no key kept, can reach rows that never see it, as
-   in FlashAttention. The reference attentions skip masked keys. Finite inputs stay finite. */
+   in FlashAttention and the cuBLASLt attention. The reference attentions (ulysses.h's CPU one
+   and uly_cuda_reference_attention) skip masked keys. Finite inputs stay finite. */
 ULYDEF uly_attn uly_flash_attention(void);
 
 /* Varlen: args as for the dense calls, with q.b == k.b == 1 and the documents taken from v.
@@ -224,12 +225,14 @@ ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v);
    O = P V as batched GEMMs over each GQA group, a masked softmax kernel between them, and the
    backward the same way (dP = dO V^T, dS = scale P (dP - Dsum), dQ = dS K, dK and dV summed
    over the group in fp32; the flash kernels apply the scale to dQ and dK at the end instead).
-   Every intermediate is materialized ([group, Sq, Sk] per kv head at a time), rounded to the
-   dtype as a plain attention does: the GPU-side second reference for the flash kernels, and
-   the fallback for head dims they do not cover (any D <= 256, D % 8 == 0; bf16 and fp16; dense
-   or strided). Deterministic. ctx is the handle, which cuBLASLt ties to the device current when
-   it was created: call with that device current. A product no cuBLASLt kernel runs at its
-   operands' alignment is ULY_EUNSUPPORTED. */
+   Every intermediate is materialized ([group, Sq, Sk] per kv head at a time): S and dP in fp32,
+   P and dS rounded to the dtype as a plain attention's GEMM operands are. The GPU-side second
+   reference for the flash kernels, and the fallback for head dims they do not cover (any
+   D <= 256, D % 8 == 0; bf16 and fp16; dense or strided; the backward's o and dout rows
+   16-byte aligned, as the flash kernels' Dsum pass, which it shares, needs). Deterministic.
+   ctx is the handle, which cuBLASLt ties to the device current when it was created: call with
+   that device current. A product no cuBLASLt kernel runs at its operands' alignment is
+   ULY_EUNSUPPORTED. */
 ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle);
 #endif
 
@@ -1004,10 +1007,14 @@ static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, in
 }
 #endif
 
-static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStream_t s) {
+/* what: the uly_comm call it serves, for the messages. */
+static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStream_t s,
+                                const char *what) {
+    char call[64];
+    snprintf(call, sizeof call, "%s: ncclAllReduce", what);
     const ncclResult_t r = ncclAllReduce(dev, dev, (size_t)count, ncclFloat64, ncclSum, n->comm, s);
-    ULY__TRY(uly__nccl_ready(n->comm, r, n->timeout_s, "allreduce_sum: ncclAllReduce"));
-    return uly__nccl_async(n->comm, "allreduce_sum");
+    ULY__TRY(uly__nccl_ready(n->comm, r, n->timeout_s, call));
+    return uly__nccl_async(n->comm, what);
 }
 
 /* The stream of calls given none (see uly_nccl_comm). */
@@ -1021,7 +1028,7 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
     cudaStream_t s = (cudaStream_t)(stream ? stream : uly__nccl_stream(n));
     int device = 0;
     ULY__TRY(uly__sum_buffer(buf, count, &device));
-    if (!count || device) return uly__nccl_sum(n, buf, count, s);
+    if (!count || device) return uly__nccl_sum(n, buf, count, s, "allreduce_sum");
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "allreduce_sum of host memory: uly_nccl.scratch is "
                "NULL (it needs %d doubles of device memory)", (int)ULY_NCCL_SCRATCH);
     /* A copy of pageable memory waits for the stream before it starts, and a collective stuck
@@ -1031,7 +1038,8 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
         const size_t bytes = (size_t)uly__min(ULY_NCCL_SCRATCH, count - at) * sizeof(double);
         ULY__TRY(uly__cuda(cudaMemcpyAsync(n->scratch, buf + at, bytes, cudaMemcpyHostToDevice,
                                            s), "allreduce_sum"));
-        ULY__TRY(uly__nccl_sum(n, n->scratch, (int64_t)(bytes / sizeof(double)), s));
+        ULY__TRY(uly__nccl_sum(n, n->scratch, (int64_t)(bytes / sizeof(double)), s,
+                               "allreduce_sum"));
         /* Likewise before the copy back. */
         ULY__TRY(uly_nccl_wait(n->comm, s, n->timeout_s));
         ULY__TRY(uly__cuda(cudaMemcpyAsync(buf + at, n->scratch, bytes, cudaMemcpyDeviceToHost,
@@ -1047,7 +1055,7 @@ static uly_status uly__nccl_barrier(void *ctx) {
     cudaStream_t s = (cudaStream_t)uly__nccl_stream(n);
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "barrier: uly_nccl.scratch is NULL (it needs %d "
                "doubles of device memory)", (int)ULY_NCCL_SCRATCH);
-    ULY__TRY(uly__nccl_sum(n, n->scratch, 1, s));
+    ULY__TRY(uly__nccl_sum(n, n->scratch, 1, s, "barrier"));
     return uly_nccl_wait(n->comm, s, n->timeout_s);
 }
 
@@ -2174,9 +2182,11 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     ULY__CHECK(a->q.s <= ULY__FA_MAX_ROWS && a->k.s <= ULY__FA_MAX_ROWS, ULY_EUNSUPPORTED,
                "q.s (%lld), k.s (%lld): at most %d rows, 65535 blocks of %d (the grid's z limit)",
                ULY__LL(a->q.s), ULY__LL(a->k.s), ULY__FA_MAX_ROWS, ULY__FA_Z_ROWS);
-    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535 && a->k.h <= 65535, ULY_EUNSUPPORTED,
-               "q.b (%lld), q.h (%lld), k.h (%lld): at most 65535 each, the grid's y and z limit",
-               ULY__LL(a->q.b), ULY__LL(a->q.h), ULY__LL(a->k.h));
+    /* The batch is every grid's y or z, the query heads the backward row passes' y; the forward
+       refuses what its backward would. */
+    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED,
+               "q.b (%lld), q.h (%lld): at most 65535 each (grid y and z dims)", ULY__LL(a->q.b),
+               ULY__LL(a->q.h));
     ULY__CHECK(a->softmax_scale >= 0, ULY_EUNSUPPORTED,
                "softmax_scale (%g): the flash kernels take a positive scale (0: 1/sqrt(D))",
                (double)a->softmax_scale);

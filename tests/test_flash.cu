@@ -617,10 +617,10 @@ TEST(backward_rejects_a_null_misaligned_or_short_workspace) {
     free_args(f);
 }
 
-/* Batches and heads are grid dims of at most 65535 each, and so are the blocks of a sequence:
-   at most 65535 * 64 = 4194240 rows. One [65536, 1, 1, 64] buffer serves as every tensor (and
-   a [1, 1, 65536, 64] q of one head), one [1, 4194241, 1, 64] as a q, k one row too long: they
-   are never read. */
+/* Batches and query heads are grid dims of at most 65535 each, and so are the blocks of a
+   sequence: at most 65535 * 64 = 4194240 rows; kv heads are a grid's x, which has room. One
+   [65536, 1, 1, 64] buffer serves as every tensor (and a [1, 1, 65536, 64] q or k), one
+   [1, 4194241, 1, 64] as a q, k one row too long: they are never read. */
 TEST(rejects_batch_heads_or_rows_past_the_grid_limit) {
     void *buf, *rows;
     float *lse;
@@ -636,6 +636,16 @@ TEST(rejects_batch_heads_or_rows_past_the_grid_limit) {
     a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, 1, 1, 1, 64);
     expect_status(fa.fwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "forward, q.h = 65536");
     expect_status(fa.bwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "backward, q.h = 65536");
+    std::swap(a.q, a.k), std::swap(a.o, a.v), std::swap(a.dq, a.dk), std::swap(a.dout, a.dv);
+    a.kv_group = 1; /* one query head, of the first of 65536 kv heads */
+    a.workspace_bytes = fa.workspace(fa.ctx, &a);
+    cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
+    for (int backward = 0; backward < 2; backward++) {
+        const uly_status st = fa.check(fa.ctx, &a, backward);
+        CHECK(!st.code, "%s, k.h = 65536: '%s'", backward ? "backward" : "forward", st.msg);
+    }
+    cudaFree(a.workspace);
+    a.kv_group = 0, a.workspace = NULL, a.workspace_bytes = 0;
     const int64_t n = 4194241;
     cudaMalloc(&rows, (size_t)n * 64 * 2);
     a.q = a.o = a.dout = a.dq = uly_dense(rows, ULY_BF16, 1, n, 1, 64);

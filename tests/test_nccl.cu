@@ -453,7 +453,7 @@ static uly_status sum(const uly_comm *c, int64_t n, int on_device, double *got,
 
 typedef struct sum_job {
     int64_t n;
-    int on_device;
+    int on_device, barrier; /* barrier: the job calls comm->barrier instead of a sum */
     fault f;
     uly_status st[4];
     const char *off_stream[4];
@@ -463,7 +463,9 @@ typedef struct sum_job {
 static void sum_main(const uly_comm *c, void *user) {
     sum_job *j = (sum_job *)user;
     inject(c, &j->f);
-    j->st[c->rank] = sum(c, j->n, j->on_device, j->got[c->rank], &j->off_stream[c->rank]);
+    double *got = j->got[c->rank];
+    j->st[c->rank] = j->barrier ? c->barrier(c->ctx)
+                                : sum(c, j->n, j->on_device, got, &j->off_stream[c->rank]);
 }
 
 /* P = 1..4: every rank gets the rank-order sum, bit for bit, from `chunks` ncclAllReduce calls
@@ -991,17 +993,19 @@ TEST(failing_ncclAlltoAll_is_ecomm_with_nccls_message) {
 }
 #endif
 
+/* allreduce_sum directly and through scratch, and barrier (a one-value sum): each names itself. */
 TEST(failing_ncclAllReduce_is_ecomm_with_nccls_message) {
-    const int on_device[2] = {1, 0}; /* directly, and through scratch */
-    for (int d : on_device) {
+    for (int m = 0; m < 3; m++) {
         sum_job j;
         memset(&j, 0, sizeof j);
-        j.n = 3, j.on_device = d, j.f.call = "ncclAllReduce", j.f.r = ncclInternalError;
+        j.n = 3, j.on_device = m == 0, j.barrier = m == 2;
+        j.f.call = "ncclAllReduce", j.f.r = ncclInternalError;
         uly_status st = nccl_run(2, sum_main, &j);
         CHECK(!st.code, "%s", st.msg);
         for (int r = 0; r < 2; r++)
-            check_ecomm(j.st[r], r, "allreduce_sum: ncclAllReduce", ncclInternalError,
-                        kFaultMsg);
+            check_ecomm(j.st[r], r, m == 2 ? "barrier: ncclAllReduce"
+                                           : "allreduce_sum: ncclAllReduce",
+                        ncclInternalError, kFaultMsg);
     }
 }
 
