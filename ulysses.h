@@ -137,8 +137,8 @@ typedef struct uly_tensor {
 } uly_tensor;
 
 ULYDEF int64_t uly_dtype_size(uly_dtype t);
-/* A dense [b, s, h, d] tensor. One whose strides (s*h*d) overflow int64 gets strides -1; every
-   call refuses such a tensor, and any view whose bytes overflow int64 (ULY_EOVERFLOW). */
+/* A dense [b, s, h, d] tensor. One whose strides (s*h*d) overflow int64 gets strides -1.
+   Every call refuses (ULY_EOVERFLOW) such a tensor, and any view whose bytes overflow int64. */
 ULYDEF uly_tensor uly_dense(void *data, uly_dtype t, int64_t b, int64_t s, int64_t h, int64_t d);
 /* The view of heads [h0, h0 + n) of t. */
 ULYDEF uly_tensor uly_head_slice(uly_tensor t, int64_t h0, int64_t n);
