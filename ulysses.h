@@ -356,8 +356,10 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l);
 ULYDEF int64_t uly_saved_bytes(const uly_plan *p);
 ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
 /* q, k, v, out in sequence layout [B, S_r, H or Hkv, D] (views into a fused buffer are fine).
-   saved holds saved_bytes, at least uly_saved_bytes() (a smaller one is an error).
-   saved and the workspace must not overlap each other or any tensor (an error), and dq, dk and
+   saved holds saved_bytes, at least uly_saved_bytes() (a smaller one is an error), and is
+   4-byte aligned (an error otherwise: it holds the fp32 lse); its parts start at 256-byte
+   offsets, so, as for the workspace, a base from malloc or cudaMalloc meets any attention's
+   rule for them. saved and the workspace must not overlap each other or any tensor (an error), and dq, dk and
    dv not each other, except as consecutive slices along b, s or h of one view (uly_qkv_views'
    fused [.., H + 2 Hkv, D]) or as one view shifted into the gaps between its rows (heads
    interleaved, [.., H, 3, D]). An output may be written over an input of the same call (out
@@ -1950,6 +1952,8 @@ static uly_status uly__check_buffers(const uly_layer *l, int backward, const voi
                ULY__LL(sv));
     ULY__CHECK(saved_bytes >= sv, ULY_EINVAL, "saved_bytes (%lld) < uly_saved_bytes() (%lld)",
                ULY__LL(saved_bytes), ULY__LL(sv));
+    ULY__CHECK((uintptr_t)saved % 4 == 0, ULY_EINVAL,
+               "saved (%p) is not 4-byte aligned: it holds the fp32 lse", saved);
     ULY__CHECK(!uly__meet(saved, sv, l->workspace, ws), ULY_EINVAL,
                "saved (%lld bytes) and layer.workspace (%lld bytes) overlap", ULY__LL(sv),
                ULY__LL(ws));

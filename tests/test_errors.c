@@ -303,6 +303,8 @@ static uly_status f_attn_null(fixture *f) { f->L.attn.fwd = NULL; return fwd(f);
 static uly_status f_layout_null(fixture *f) { f->L.layout.pack = NULL; return fwd(f); }
 static uly_status f_saved_null(fixture *f) { f->saved = NULL; return fwd(f); }
 static uly_status f_saved_small(fixture *f) { f->saved_bytes -= 1; return fwd(f); }
+/* refused before anything is written, so the bytes past the buffer are never touched */
+static uly_status f_saved_misaligned(fixture *f) { f->saved = (char *)f->saved + 2; return fwd(f); }
 /* saved sized for a plan of fewer tokens, as a buffer kept across a change of seq_len would be
    (a quarter of them: the parts of saved are padded to 256 bytes) */
 static uly_status b_saved_of_fewer_tokens(fixture *f) {
@@ -384,6 +386,8 @@ static const layer_bad layer_table[] = {
     {"forward: saved NULL", f_saved_null, ULY_EINVAL, "saved"},
     {"forward: saved one byte short", f_saved_small, ULY_EINVAL,
      "saved_bytes (1791) < uly_saved_bytes() (1792)"},
+    {"forward: saved 2 bytes past 4-byte alignment", f_saved_misaligned, ULY_EINVAL,
+     "is not 4-byte aligned: it holds the fp32 lse"},
     {"forward: layout on GPU memory, comm on host", f_layout_device, ULY_EINVAL, "device"},
     {"forward: attention on GPU memory, comm on host", f_attn_device, ULY_EINVAL, "device"},
     {"forward: bf16 into the f32-only CPU attention", f_attn_refuses, ULY_EUNSUPPORTED, "f32"},
