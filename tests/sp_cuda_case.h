@@ -124,29 +124,31 @@ static int64_t bitdiff(const float *a, const float *b, int64_t n) {
 
 /* dk and dv as the layer must give them, bit for bit. A kv head whose group of query heads spans
    several ranks gets a share of its gradient from each of them (the attention over that rank's
-   heads, rounded to t), and the DKV unpack widens the shares to fp32, adds them in rank order
-   and rounds once (ulysses.h). Rank r's share is the unsharded attention with dout zero outside
-   r's heads, since the other heads then add exact zeros: grads(dout, dk, dv) runs it. Where a
-   group lies on one rank, that is the unsharded result itself. Not within an ulp of the
-   unsharded result in general: each share is rounded on its own scale, which can be far above
-   the sum's when the shares cancel. */
+   heads, rounded to t), and the DKV unpack widens the shares to fp32, adds them to the first
+   in rank order and rounds once (ulysses.h). grads(heads, kv, share_k, share_v) gives rank r's
+   share: the gradients [B, S, Hkv, D] that query heads `heads` give kv heads `kv` (r's ranges;
+   other kv heads are not read). Only the ranks holding a kv head add theirs (a sum started at
+   +0 would turn a share of -0 into +0). Where a group lies on one rank, that is the unsharded
+   result itself. Not within an ulp of the unsharded result in general: each share is rounded on
+   its own scale, which can be far above the sum's when the shares cancel. */
 template <typename G>
-static void summed_shares(const sp_case *c, uly_dtype t, const float *dout, float *dk, float *dv,
-                          G grads) {
-    const int64_t nq = sp_nq(c), nkv = sp_nkv(c);
-    fvec masked((size_t)nq), share_k((size_t)nkv), share_v((size_t)nkv);
-    fvec sum_k((size_t)nkv, 0.f), sum_v((size_t)nkv, 0.f);
+static void summed_shares(const sp_case *c, uly_dtype t, float *dk, float *dv, G grads) {
+    const int64_t nkv = sp_nkv(c);
+    fvec share_k((size_t)nkv), share_v((size_t)nkv), sum_k((size_t)nkv), sum_v((size_t)nkv);
+    std::vector<char> summed((size_t)c->Hkv, 0); /* a rank before this one held the kv head */
     for (int r = 0; r < c->P; r++) {
         uly_plan plan;
         const uly_status st = sp_plan(c, c->P, r, t, &plan);
         CHECK(!st.code, "plan of rank %d: %s", r, st.msg);
-        const uly_range h = uly_heads(&plan, r);
-        for (int64_t i = 0; i < nq; i++) { /* dout is [B, S, H, D] */
-            const int64_t head = i / c->D % c->H;
-            masked[i] = head >= h.start && head < h.start + h.count ? dout[i] : 0.f;
+        const uly_range kv = uly_kv_heads(&plan, r);
+        grads(uly_heads(&plan, r), kv, share_k.data(), share_v.data());
+        for (int64_t i = 0; i < nkv; i++) { /* dk, dv are [B, S, Hkv, D] */
+            const int64_t head = i / c->D % c->Hkv;
+            if (head < kv.start || head >= kv.start + kv.count) continue;
+            sum_k[i] = summed[head] ? sum_k[i] + share_k[i] : share_k[i];
+            sum_v[i] = summed[head] ? sum_v[i] + share_v[i] : share_v[i];
         }
-        grads(masked.data(), share_k.data(), share_v.data());
-        for (int64_t i = 0; i < nkv; i++) sum_k[i] += share_k[i], sum_v[i] += share_v[i];
+        for (int64_t g = kv.start; g < kv.start + kv.count; g++) summed[g] = 1;
     }
     for (int64_t i = 0; i < nkv; i++) dk[i] = round_to(t, sum_k[i]), dv[i] = round_to(t, sum_v[i]);
 }
@@ -294,10 +296,18 @@ static void check_layer(const sp_case *c, uly_dtype t, sp_runner run) {
            and dv: the ranks' shares, summed as the layer sums them. */
         fvec dk((size_t)sp_nkv(c)), dv((size_t)sp_nkv(c)), out((size_t)sp_nq(c));
         fvec lse((size_t)sp_nlse(c)), dq((size_t)sp_nq(c));
-        summed_shares(c, t, whole.dout, dk.data(), dv.data(),
-                      [&](const float *dout, float *share_k, float *share_v) {
+        /* A rank's share: the unsharded attention with dout zero outside its heads, since the
+           other heads then add exact zeros. */
+        fvec dout((size_t)sp_nq(c));
+        summed_shares(c, t, dk.data(), dv.data(),
+                      [&](uly_range h, uly_range, float *share_k, float *share_v) {
+                          for (int64_t i = 0; i < sp_nq(c); i++) { /* [B, S, H, D] */
+                              const int64_t head = i / c->D % c->H;
+                              const bool in = head >= h.start && head < h.start + h.count;
+                              dout[i] = in ? whole.dout[i] : 0.f;
+                          }
                           sp_full m = whole; /* its inputs; outputs into scratch */
-                          m.dout = (float *)dout, m.out = out.data(), m.lse = lse.data();
+                          m.dout = dout.data(), m.out = out.data(), m.lse = lse.data();
                           m.dq = dq.data(), m.dk = share_k, m.dv = share_v;
                           const uly_status ms = gpu_attention(c, t, &m, 1);
                           CHECK(!ms.code, "a rank's share: %s", ms.msg);
