@@ -356,12 +356,11 @@ static inputs inputs_of(const sp_case *c, const sp_full *f) {
     return in;
 }
 
-/* Heads [h0, h0 + n) of x, [rows, H, D]: dense [rows, n, D]. */
-static fvec heads_of(const fvec &x, int64_t H, int64_t D, int64_t h0, int64_t n) {
-    const int64_t rows = (int64_t)x.size() / (H * D);
-    fvec y((size_t)(rows * n * D));
-    for (int64_t r = 0; r < rows; r++)
-        memcpy(&y[(size_t)(r * n * D)], &x[(size_t)((r * H + h0) * D)], (size_t)(n * D) * 4);
+/* Heads r of x, [B, S, H, D] in float: dense [B, S, r.count, D]. */
+static fvec heads_of(const fvec &x, const sp_case *c, int64_t H, uly_range r) {
+    fvec y((size_t)(c->B * c->S * r.count * c->D));
+    const uly_tensor all = uly_dense((void *)x.data(), ULY_F32, c->B, c->S, H, c->D);
+    sp_copy_tokens(uly_head_slice(all, r.start, r.count), y.data(), c->S, 0, 1);
     return y;
 }
 
@@ -377,17 +376,18 @@ static void flash_summed_shares(const sp_case *c, const fcase &fc, const std::ve
                       f.H = h.count, f.Hkv = kv.count;
                       f.q_head0 = h.start, f.kv_group = c->H / c->Hkv;
                       inputs part;
-                      part.q = heads_of(in.q, c->H, c->D, h.start, h.count);
-                      part.dout = heads_of(in.dout, c->H, c->D, h.start, h.count);
-                      part.k = heads_of(in.k, c->Hkv, c->D, kv.start, kv.count);
-                      part.v = heads_of(in.v, c->Hkv, c->D, kv.start, kv.count);
-                      const run_out r = run_attn(f, cu, cu, varlen, part, uly_flash_attention());
-                      const int64_t rows = sp_nkv(c) / (c->Hkv * c->D), n = kv.count * c->D;
-                      for (int64_t i = 0; i < rows && r.ok; i++) { /* into [rows, Hkv, D] */
-                          const size_t at = (size_t)((i * c->Hkv + kv.start) * c->D);
-                          memcpy(share_k + at, &r.dk[(size_t)(i * n)], (size_t)n * 4);
-                          memcpy(share_v + at, &r.dv[(size_t)(i * n)], (size_t)n * 4);
-                      }
+                      part.q = heads_of(in.q, c, c->H, h);
+                      part.dout = heads_of(in.dout, c, c->H, h);
+                      part.k = heads_of(in.k, c, c->Hkv, kv);
+                      part.v = heads_of(in.v, c, c->Hkv, kv);
+                      run_out r = run_attn(f, cu, cu, varlen, part, uly_flash_attention());
+                      if (!r.ok) return;
+                      /* r.dk, r.dv: [B, S, kv.count, D], into their heads of the shares */
+                      const int64_t B = c->B, S = c->S, Hkv = c->Hkv, D = c->D;
+                      const uly_tensor sk = uly_dense(share_k, ULY_F32, B, S, Hkv, D);
+                      const uly_tensor sv = uly_dense(share_v, ULY_F32, B, S, Hkv, D);
+                      sp_copy_tokens(uly_head_slice(sk, kv.start, kv.count), r.dk.data(), S, 0, 0);
+                      sp_copy_tokens(uly_head_slice(sv, kv.start, kv.count), r.dv.data(), S, 0, 0);
                   });
 }
 
