@@ -359,14 +359,19 @@ ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
    saved holds saved_bytes, at least uly_saved_bytes() (a smaller one is an error), and is
    4-byte aligned (an error otherwise: it holds the fp32 lse); its parts start at 256-byte
    offsets, so, as for the workspace, a base from malloc or cudaMalloc meets any attention's
-   rule for them. saved and the workspace must not overlap each other or any tensor (an error), and dq, dk and
-   dv not each other, except as consecutive slices along b, s or h of one view (uly_qkv_views'
-   fused [.., H + 2 Hkv, D]) or as one view shifted into the gaps between its rows (heads
-   interleaved, [.., H, 3, D]). An output may be written over an input of the same call (out
-   over q, dq over dout): inputs are exchanged before any output is written. */
+   rule for them. saved and the workspace must not overlap each other or any tensor (an error),
+   and dq, dk and dv not each other, except as consecutive slices along b, s or h of one view
+   (uly_qkv_views' fused [.., H + 2 Hkv, D]) or as one view shifted into the gaps between its
+   rows (heads interleaved, [.., H, 3, D]). An output may be written over an input of the same
+   call (out over q, dq over dout): inputs are exchanged before any output is written. */
 ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
                               uly_tensor out, void *saved, int64_t saved_bytes);
-/* dq, dk, dv are overwritten, in sequence layout. */
+/* dq, dk, dv are overwritten, in sequence layout. A kv head whose query heads are on several
+   ranks (always when P > Hkv; also where H splits unevenly) gets a share of its dk, dv from
+   each: a share is rounded to the dtype and the owner sums the shares in fp32, rounding once
+   (uly_cpu_layout). That is one rounding per rank more than an unsharded backward, and never
+   more than FlashAttention's own GQA backward, which rounds each query head's dk, dv before
+   summing them. */
 ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *saved,
                                int64_t saved_bytes, uly_tensor dq, uly_tensor dk, uly_tensor dv);
 /* Checks that every rank of l->comm runs the same layer: the plan's desc (shape, dtype, world,
