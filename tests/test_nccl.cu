@@ -21,7 +21,8 @@
      memory with none: the per-thread default stream); without scratch, host memory and barrier
      are ULY_EUNSUPPORTED; barrier returns on no rank before every rank has called it; both
      give up on a stalled stream after uly_nccl.timeout_s. uly_layer_agree (two sums of host
-     memory) fails on every rank when one rank's layer is not causal.
+     memory) fails on every rank when one rank's layer is not causal. Nothing to move (count 0,
+     NULL buffers): allreduce_sum, alltoall and alltoallv succeed, each collective still called.
    - uly_nccl_split: SP groups of consecutive ranks and DP groups across them (sizes, ranks and
      members), by ncclCommSplit's color/key rule, checked on the double too; an sp_size that
      does not divide the world is ULY_EINVAL.
@@ -498,6 +499,35 @@ TEST(allreduce_of_device_memory_sums_in_place_in_one_call) { check_sum(SUM_MAX, 
 /* 150 values: chunks of 64, 64 and 22 through the scratch buffer. */
 TEST(allreduce_of_host_memory_goes_through_scratch_in_chunks) {
     check_sum(SUM_MAX, 0, (SUM_MAX + ULY_NCCL_SCRATCH - 1) / ULY_NCCL_SCRATCH);
+}
+
+/* Nothing to move, with NULL buffers, as uly_comm allows: every rank succeeds, still making the
+   collective call (NCCL takes a count of 0), which a rank must not skip alone. */
+typedef struct nothing_job {
+    uly_status sum[4], a2a[4], a2av[4];
+} nothing_job;
+
+static void nothing_main(const uly_comm *c, void *user) {
+    nothing_job *j = (nothing_job *)user;
+    const int64_t zero[4] = {0, 0, 0, 0};
+    j->sum[c->rank] = c->allreduce_sum(c->ctx, NULL, 0, NULL);
+    if (c->alltoall) j->a2a[c->rank] = c->alltoall(c->ctx, NULL, NULL, 0, NULL);
+    j->a2av[c->rank] = c->alltoallv(c->ctx, NULL, zero, zero, NULL, zero, zero, NULL);
+}
+
+TEST(allreduce_and_alltoall_of_nothing_take_null_buffers) {
+    for (int P = 1; P <= 4; P++) {
+        const unsigned long long s0 = calls("ncclAllReduce"), a0 = calls("ncclAlltoAll");
+        const nothing_job j = run_job<nothing_job>(nccl_run, P, nothing_main);
+        for (int r = 0; r < P; r++)
+            CHECK(!j.sum[r].code && !j.a2a[r].code && !j.a2av[r].code,
+                  "P=%d rank %d: allreduce_sum '%s', alltoall '%s', alltoallv '%s'", P, r,
+                  j.sum[r].msg, j.a2a[r].msg, j.a2av[r].msg);
+        const unsigned long long s = calls("ncclAllReduce") - s0, a = calls("ncclAlltoAll") - a0;
+        const unsigned long long want_a = ULY_NCCL_ALLTOALL ? (unsigned)P : 0;
+        CHECK(s == (unsigned)P && a == want_a, "P=%d: %llu ncclAllReduce, %llu ncclAlltoAll; "
+              "want %d, %llu", P, s, a, P, want_a);
+    }
 }
 
 /* No stream, as uly_loss_reduce calls it (host memory), and device memory: every operation on

@@ -74,13 +74,14 @@
 
 namespace {
 
-// The calls uly_emu_nccl_calls counts and uly_emu_nccl_fail can fail.
+// The calls uly_emu_nccl_calls counts. Those from kFirstFaultable on take a live communicator
+// and serve its injected faults (enter); a fault queued for one of the others would never fire.
 const char *const kCalls[] = {"ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitRankConfig",
-                              "ncclCommSplit",   "ncclCommDestroy",  "ncclCommAbort",
-                              "ncclCommCount",   "ncclCommUserRank", "ncclCommGetAsyncError",
-                              "ncclGroupStart",  "ncclGroupEnd",     "ncclSend",
+                              "ncclCommDestroy", "ncclCommAbort",    "ncclGroupStart",
+                              "ncclGroupEnd",    "ncclCommSplit",    "ncclCommCount",
+                              "ncclCommUserRank", "ncclCommGetAsyncError", "ncclSend",
                               "ncclRecv",        "ncclAlltoAll",     "ncclAllReduce"};
-constexpr int kNumCalls = sizeof kCalls / sizeof *kCalls;
+constexpr int kNumCalls = sizeof kCalls / sizeof *kCalls, kFirstFaultable = 7;
 
 // Long enough for any peer of a test to reach its matching call, even under ASan.
 constexpr std::chrono::seconds kHang(60);
@@ -385,7 +386,7 @@ ncclResult_t run_p2p(const std::vector<Op> &ops) {
         Post *p = from.front();
         from.erase(from.begin());
         if (p->bytes == o.bytes) {
-            memcpy(o.buf, p->buf, o.bytes);
+            std::copy_n((const char *)p->buf, o.bytes, (char *)o.buf);
         } else {
             p->r = ncclInvalidUsage;
             p->msg = format("ncclRecv: rank %d receives %zu bytes from rank %d, which sends %zu "
@@ -427,7 +428,7 @@ std::string all_reduce(const Coll &k) {
     std::vector<double> sum((const double *)k.args[0].send, (const double *)k.args[0].send + n);
     for (size_t r = 1; r < k.args.size(); r++)
         for (size_t i = 0; i < n; i++) sum[i] += ((const double *)k.args[r].send)[i];
-    for (const Arg &a : k.args) memcpy(a.recv, sum.data(), n * sizeof(double));
+    for (const Arg &a : k.args) std::copy(sum.begin(), sum.end(), (double *)a.recv);
     return "";
 }
 
@@ -443,8 +444,8 @@ std::string all_to_all(const Coll &k) {
                           "in-place all-to-all)", r);
     for (size_t i = 0; i < P; i++)
         for (size_t j = 0; j < P; j++)
-            memcpy((char *)k.args[j].recv + i * bytes, (const char *)k.args[i].send + j * bytes,
-                   bytes);
+            std::copy_n((const char *)k.args[i].send + j * bytes, bytes,
+                        (char *)k.args[j].recv + i * bytes);
     return "";
 }
 #endif
@@ -731,7 +732,9 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
 // Test hooks (nccl_emu.h)
 
 void uly_emu_nccl_fail(ncclComm_t comm, const char *call, ncclResult_t r, const char *msg) {
-    call_index(call);
+    if (call_index(call) < kFirstFaultable)
+        fatal("uly_emu_nccl_fail: %s serves no communicator's faults (%s and later do)", call,
+              kCalls[kFirstFaultable]);
     std::lock_guard<std::mutex> lock(m);
     comm->faults.push_back(Fault{call, r, msg});
 }

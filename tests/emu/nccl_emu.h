@@ -5,7 +5,9 @@
 #define ULY_NCCL_EMU_H
 
 // The next call of `call` on comm returns r, and ncclGetLastError then gives msg. Once; faults
-// queue, and one with r = ncclSuccess lets its call through (to fail a later one).
+// queue, and one with r = ncclSuccess lets its call through (to fail a later one). `call` takes
+// a live communicator: ncclCommSplit, ncclCommCount, ncclCommUserRank, ncclCommGetAsyncError,
+// ncclSend, ncclRecv, ncclAlltoAll or ncclAllReduce; another name aborts.
 void uly_emu_nccl_fail(ncclComm_t comm, const char *call, ncclResult_t r, const char *msg);
 
 // From now on ncclCommGetAsyncError reports r on comm (ncclRemoteError: a peer died), and NCCL
