@@ -203,7 +203,10 @@ ULYDEF int64_t uly_recv_bytes(const uly_plan *p, uly_xchg x);
 typedef struct uly_comm {
     int size, rank;
     /* Every rank sends send[send_offs[j], +send_counts[j]) to peer j, which receives it at
-       recv[recv_offs[i], +recv_counts[i]) for sender i. Bytes; the counts of both ends agree. */
+       recv[recv_offs[i], +recv_counts[i]) for sender i. Bytes; the counts of both ends must
+       agree (the layer's do where every rank planned alike: uly_layer_agree). The local
+       communicator checks; MPI and NCCL cannot see the other end's count, and there a mismatch
+       can hang or leave bytes unwritten. */
     uly_status (*alltoallv)(void *ctx, const void *send, const int64_t *send_counts,
                             const int64_t *send_offs, void *recv, const int64_t *recv_counts,
                             const int64_t *recv_offs, void *stream);
