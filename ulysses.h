@@ -2169,7 +2169,8 @@ ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, 
         double z = 0;
         for (int64_t c = 1; c < v; c++) m = fmaxf(m, x[c]);
         for (int64_t c = 0; c < v; c++) z += exp((double)x[c] - m);
-        *loss_sum += log(z) + m - x[labels[i]];
+        /* m - x first: next to a logit of 1e15 or more, log(z) <= log(v) would vanish. */
+        *loss_sum += log(z) + ((double)m - x[labels[i]]);
         *count += 1;
         for (int64_t c = 0; dx && c < v; c++)
             dx[c] = (float)(exp((double)x[c] - m) / z) - (c == labels[i]);

@@ -5,6 +5,8 @@
        loss_t = logsumexp(logits_t) - logits_t[label_t];  dlogits_t = softmax(logits_t) - onehot
        mean = sum over all ranks / count over all ranks;  grad_scale = 1 / count  (0 and 0 when
        no rank has a valid token) */
+#include <float.h>
+
 #define ULYSSES_IMPLEMENTATION
 #include "../ulysses.h"
 #include "check.h"
@@ -30,11 +32,14 @@ static uly_plan make_plan(int P, int rank, int64_t B, int64_t S) {
 /* ---------------------------------------------------------------------------------------------
    fp64 cross-entropy, by hand */
 
-static double ref_lse(const float *x, int64_t v) {
-    double m = -INFINITY, s = 0;
-    for (int64_t i = 0; i < v; i++) m = x[i] > m ? x[i] : m;
-    for (int64_t i = 0; i < v; i++) s += exp((double)x[i] - m);
-    return m + log(s);
+/* log-sum-exp of x as *m + *ls: the largest logit and log sum exp(x - m), kept apart, since
+   next to a logit of 1e15 or more the sum m + ls would lose ls. */
+static void ref_lse(const float *x, int64_t v, double *m, double *ls) {
+    double s = 0;
+    *m = -INFINITY;
+    for (int64_t i = 0; i < v; i++) *m = x[i] > *m ? x[i] : *m;
+    for (int64_t i = 0; i < v; i++) s += exp((double)x[i] - *m);
+    *ls = log(s);
 }
 
 /* Sum of token losses and count of valid labels; dlogits = softmax - onehot (0 if ignored). */
@@ -44,13 +49,14 @@ static double ref_ce(const float *logits, const int32_t *labels, int64_t n, int6
     *count = 0;
     for (int64_t t = 0; t < n; t++) {
         const float *x = logits + t * v;
-        double l = ref_lse(x, v);
+        double m, ls;
+        ref_lse(x, v, &m, &ls);
         for (int64_t i = 0; i < v; i++)
             if (dlogits)
                 dlogits[t * v + i] =
-                    labels[t] == IGNORE ? 0 : exp((double)x[i] - l) - (i == labels[t]);
+                    labels[t] == IGNORE ? 0 : exp((double)x[i] - m - ls) - (i == labels[t]);
         if (labels[t] == IGNORE) continue;
-        sum += l - (double)x[labels[t]];
+        sum += ls + (m - (double)x[labels[t]]);
         (*count)++;
     }
     return sum;
@@ -61,7 +67,7 @@ static double ref_token_loss_d(const double *x, int64_t v, int32_t label) {
     double m = -INFINITY, s = 0;
     for (int64_t i = 0; i < v; i++) m = x[i] > m ? x[i] : m;
     for (int64_t i = 0; i < v; i++) s += exp(x[i] - m);
-    return m + log(s) - x[label];
+    return log(s) + (m - x[label]);
 }
 
 static void make_labels(int32_t *labels, int64_t n, int64_t v, uint64_t seed, int every_ignored) {
@@ -127,6 +133,27 @@ TEST(cross_entropy_is_stable_for_large_logits) {
     CHECK_NEAR(sum, want, 1e-3, "sum of losses near 2000");
     CHECK(ref_maxdiff_fd(dl, want_d, N * V) <= 1e-6, "dlogits off by %g",
           ref_maxdiff_fd(dl, want_d, N * V));
+}
+
+/* v equal logits give -log softmax = log v and a gradient of 1/v - onehot, however large they
+   are: the shift by the largest logit must not swallow log v (it did beyond about 1e15). */
+TEST(cross_entropy_of_equal_logits_is_log_v_at_any_magnitude) {
+    enum { V = 3 };
+    const float big[] = {1e15f, -1e15f, 1e30f, -1e30f, FLT_MAX, -FLT_MAX};
+    for (int c = 0; c < (int)(sizeof big / sizeof *big); c++) {
+        const float logits[V] = {big[c], big[c], big[c]};
+        const int32_t label = c % V;
+        float dl[V];
+        double sum = 0;
+        int64_t count = 0;
+        uly_status st = uly_cross_entropy(logits, &label, 1, V, IGNORE, &sum, &count, dl);
+        CHECK(st.code == ULY_OK && count == 1, "logits %g: %s", big[c], st.msg);
+        CHECK(fabs(sum - log(3.0)) <= 1e-12, "logits %g: loss %.17g, want log 3", big[c], sum);
+        for (int i = 0; i < V; i++)
+            CHECK(fabs(dl[i] - (1.0 / 3 - (i == label))) <= 1e-7,
+                  "logits %g: dlogits[%d] %.9g, want %.9g", big[c], i, dl[i],
+                  1.0 / 3 - (i == label));
+    }
 }
 
 /* A -inf logit masks its class out of the softmax: the loss is that of the other classes, and
