@@ -76,11 +76,11 @@ namespace {
 
 // The calls uly_emu_nccl_calls counts. Those from kFirstFaultable on take a live communicator
 // and serve its injected faults (enter); a fault queued for one of the others would never fire.
-const char *const kCalls[] = {"ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitRankConfig",
-                              "ncclCommDestroy", "ncclCommAbort",    "ncclGroupStart",
-                              "ncclGroupEnd",    "ncclCommSplit",    "ncclCommCount",
-                              "ncclCommUserRank", "ncclCommGetAsyncError", "ncclSend",
-                              "ncclRecv",        "ncclAlltoAll",     "ncclAllReduce"};
+const char *const kCalls[] = {
+    "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitRankConfig", "ncclCommDestroy",
+    "ncclCommAbort", "ncclGroupStart", "ncclGroupEnd",
+    "ncclCommSplit", "ncclCommCount", "ncclCommUserRank", "ncclCommGetAsyncError", "ncclSend",
+    "ncclRecv", "ncclAlltoAll", "ncclAllReduce"};
 constexpr int kNumCalls = sizeof kCalls / sizeof *kCalls, kFirstFaultable = 7;
 
 // Long enough for any peer of a test to reach its matching call, even under ASan.
