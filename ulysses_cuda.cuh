@@ -2503,8 +2503,9 @@ static uly_status uly__lt_gemm(cublasLtHandle_t lt, uly__lt_mat a, int ta, uly__
                                                     sizeof op[1]), "TRANSB"));
     for (int i = 0; i < 3; i++) {
         /* cuBLASLt wants ld >= a row's length even for one row, whose ld is never applied
-           (a decode step's query may have any row stride). */
-        const int64_t ld = m[i]->rows > 1 ? m[i]->ld : m[i]->cols;
+           (a decode step's query may have any row stride); a long enough one stays, as its
+           alignment may be what lets the search take a tensor-core kernel. */
+        const int64_t ld = m[i]->rows > 1 || m[i]->ld >= m[i]->cols ? m[i]->ld : m[i]->cols;
         align[i] = uly__lt_align(m[i], ld, batch);
         ULY__TRY(uly__lt(cublasLtMatrixLayoutInit(&l[i], m[i]->t, (uint64_t)m[i]->cols,
                                                   (uint64_t)m[i]->rows, ld),
@@ -2534,7 +2535,8 @@ struct uly__lt_ws {
 static int64_t uly__lt_group(const uly_attn_args *a) { return min(uly__group(a), a->q.h); }
 
 /* A score row's stride: Sk rounded up to 8 elements, so that every row of S (fp32), P and dS
-   (16-bit) starts 16-byte aligned, as cuBLASLt's tensor-core kernels need. */
+   (16-bit) starts 16-byte aligned, the alignment cuBLASLt documents as best for its
+   tensor-core kernels. */
 static int64_t uly__lt_ld(const uly_attn_args *a) { return (a->k.s + 7) & ~(int64_t)7; }
 
 /* The workspace's parts in bytes, in uly__lt_ws's order, each to start 256-byte aligned: S, P,

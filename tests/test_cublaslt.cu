@@ -150,18 +150,21 @@ TEST(cublaslt_kv_head_that_no_query_head_reads_gets_zero_gradients) {
 #ifdef ULY_EMU
 /* Score rows of any length start 16-byte aligned (uly__lt_ld), so that cuBLASLt may take its
    tensor-core kernels: with dense q, k, v, o and gradients, whose rows are 16-byte chunks, no
-   search asks for less, at Sk = 77 as at 64. */
+   search asks for less, at Sk = 77 as at 64, and for one query (a decode step: one-row
+   matrices, whose ld cuBLASLt never applies). */
 TEST(cublaslt_score_rows_keep_tensor_core_alignment) {
-    for (int64_t sk : {77, 64}) {
-        const fcase c = make_case({1, 33, sk, 4, 2, 1}, 64, ULY_BF16);
-        const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
-        const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
-        uly_emu_cublaslt_least_alignment();
-        const run_out lt = run_attn(c, cq, ck, false, in, uly_cublaslt_attention(lt_handle()));
-        const uint32_t least = uly_emu_cublaslt_least_alignment();
-        CHECK(lt.ok && least >= 16, "Sk = %lld: the least alignment searched for is %u bytes",
-              (long long)sk, least);
-    }
+    for (int64_t sq : {33, 1})
+        for (int64_t sk : {77, 64}) {
+            const fcase c = make_case({1, sq, sk, 4, 2, 1}, 64, ULY_BF16);
+            const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+            const std::vector<int> cq = dense_cu(c.B, c.Sq), ck = dense_cu(c.B, c.Sk);
+            uly_emu_cublaslt_least_alignment();
+            const run_out lt =
+                run_attn(c, cq, ck, false, in, uly_cublaslt_attention(lt_handle()));
+            const uint32_t least = uly_emu_cublaslt_least_alignment();
+            CHECK(lt.ok && least >= 16, "Sq = %lld, Sk = %lld: the least alignment searched "
+                  "for is %u bytes", (long long)sq, (long long)sk, least);
+        }
 }
 #endif
 
