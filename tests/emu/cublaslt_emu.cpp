@@ -5,7 +5,10 @@
 // What it models, from the cublasLt.h documentation: D = alpha op(A) op(B) + beta C on
 // column-major layouts (rows, cols, leading dimension), TRANSA/TRANSB, strided batches
 // (BATCH_COUNT, STRIDED_BATCH_OFFSET in elements), A and B in fp16, bf16 or fp32 with C and D in
-// the same type or fp32, CUBLAS_COMPUTE_32F with an fp32 scale, C not read when beta is 0.
+// the same type or fp32, CUBLAS_COMPUTE_32F with an fp32 scale. And C not read when beta is 0,
+// which cuBLAS documents for its gemm ("C does not have to be a valid input") and cublasLt.h
+// does not say: the library relies on it (0 * a NaN left in C would be NaN), and
+// test_cublaslt's gemm_as_the_attention_calls_it checks it on the real library (make test-gpu).
 // Products are summed in double and rounded once to D's type, so its errors are smaller than the
 // real library's, never larger. Every other attribute, type, order or algorithm, and any layout
 // the documentation calls invalid (ld < rows, op(A) op(B) shapes that do not chain, batch counts
@@ -17,9 +20,10 @@
 // Alignment, as the documentation puts it: the search (cublasLtMatmulAlgoGetHeuristic) only
 // returns kernels that work at the preference's MIN_ALIGNMENT_{A,B,C,D}_BYTES, 256 by default,
 // and so does cublasLtMatmul's implicit search when algo is NULL. The kernel this double
-// "returns" needs exactly those alignments of each matrix's address, leading dimension and
-// batch stride in bytes, and cublasLtMatmul refuses operands that lack them, as a real kernel
-// could fault on them; the workspace must be 256-byte aligned.
+// "returns" needs exactly those alignments of each matrix's address, and (stricter than the
+// header's "minimum buffer alignment") of its leading dimension and batch stride in bytes, and
+// cublasLtMatmul refuses operands that lack them, as a real kernel could fault on them; the
+// workspace must be 256-byte aligned.
 //
 // Workspace, as the documentation puts it: the search returns kernels that need at most the
 // preference's MAX_WORKSPACE_BYTES, and cublasLtMatmul refuses a workspaceSizeInBytes below the
