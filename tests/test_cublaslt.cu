@@ -19,7 +19,8 @@
      workspace(), cuBLASLt's own ULY__LT_WS bytes included (the emulated GEMM overwrites them
      when it runs), sized by the query heads a kv head has here, not by kv_group. fp32,
      D > 256, 65536 batches, GEMM dims past int and backward tensors of the wrong shape are
-     named errors. The elementwise kernels index past 2^31 elements (on a GPU with the memory).
+     named errors, as is a search that finds no kernel (emulated). The elementwise kernels
+     index past 2^31 elements (on a GPU with the memory).
    Under the emulator (make test) cuBLASLt is tests/emu/cublaslt_emu.cpp, a double that computes
    the documented GEMM and refuses what it does not model; on a GPU (make test-gpu) it is the real
    library, and the first test is what shows the double models it. */
@@ -165,6 +166,36 @@ TEST(cublaslt_score_rows_keep_tensor_core_alignment) {
             CHECK(lt.ok && least >= 16, "Sq = %lld, Sk = %lld: the least alignment searched "
                   "for is %u bytes", (long long)sq, (long long)sk, least);
         }
+}
+#endif
+
+#ifdef ULY_EMU
+/* A search that finds no kernel, answered either way cuBLASLt may (success with none, or not
+   supported), is ULY_EUNSUPPORTED naming the search, and no product runs. */
+TEST(cublaslt_without_a_kernel_is_unsupported) {
+    enum { M = 4, K = 8 };
+    const struct {
+        cublasStatus_t s;
+        const char *msg;
+    } none[] = {{CUBLAS_STATUS_SUCCESS, "cuBLASLt has no kernel for a product"},
+                {CUBLAS_STATUS_NOT_SUPPORTED, "cublasLtMatmulAlgoGetHeuristic: the functionality"}};
+    void *dx, *dz, *ws;
+    cudaMalloc(&dx, M * K * 2), cudaMalloc(&dz, M * M * 4), cudaMalloc(&ws, ULY__LT_WS);
+    cudaMemset(dx, 0, M * K * 2);
+    const uly__lt_mat X = {dx, CUDA_R_16BF, M, K, K, 0}, Z = {dz, CUDA_R_32F, M, M, M, 0};
+    for (const auto &n : none) {
+        cudaMemset(dz, 0xff, M * M * 4);
+        uly_emu_cublaslt_no_kernel(n.s);
+        const uly_status st = uly__lt_gemm(lt_handle(), X, 0, X, 1, Z, 1.f, 0.f, 1, ws, 0);
+        unsigned char z[M * M * 4];
+        cudaMemcpy(z, dz, sizeof z, cudaMemcpyDeviceToHost);
+        int written = 0;
+        for (unsigned char b : z) written += b != 0xff;
+        CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, n.msg) && !written,
+              "search answering %d: code %d '%s', %d bytes of D written", (int)n.s, (int)st.code,
+              st.msg, written);
+    }
+    cudaFree(dx), cudaFree(dz), cudaFree(ws);
 }
 #endif
 

@@ -232,9 +232,11 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
 
 namespace {
 std::atomic<uint32_t> least_alignment{256};  // uly_emu_cublaslt_least_alignment
+std::atomic<int> no_kernel{-1};              // uly_emu_cublaslt_no_kernel's status, or -1
 }  // namespace
 
 uint32_t uly_emu_cublaslt_least_alignment() { return least_alignment.exchange(256); }
+void uly_emu_cublaslt_no_kernel(cublasStatus_t s) { no_kernel = (int)s; }
 
 // One kernel, needing the preference's alignments and its whole workspace; its sums are exact,
 // so any reduction-scheme mask admits it.
@@ -249,6 +251,10 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
         return CUBLAS_STATUS_INVALID_VALUE;
     const cublasStatus_t ok = valid(*body(d), *body(Al), *body(Bl), *body(Cl), *body(Dl));
     if (ok != CUBLAS_STATUS_SUCCESS) return ok;
+    if (const int s = no_kernel.exchange(-1); s >= 0) {
+        *count = 0;
+        return (cublasStatus_t)s;
+    }
     results[0] = cublasLtMatmulHeuristicResult_t();
     kernel k{kernel_tag, {0, 0, 0, 0}, body(p)->workspace};
     std::memcpy(k.align, body(p)->align, sizeof k.align);
