@@ -2436,11 +2436,14 @@ struct uly__lt_mat {
 
 enum { ULY__LT_WS = 32 << 20 }; /* cuBLASLt's own workspace */
 
+/* Bytes of an element: fp32, or bf16 and fp16. */
+static int64_t uly__lt_size(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
+
 /* The alignment, in bytes, that a kernel may assume of a matrix: the largest power of two up to
    256 dividing its address, leading dimension and (batched) stride. cuBLASLt's search assumes
    256 unless told, and score rows of odd length or a head's offset leave far less. */
 static uint32_t uly__lt_align(const uly__lt_mat *m, int64_t ld, int batch) {
-    const int64_t es = m->t == CUDA_R_32F ? 4 : 2;
+    const int64_t es = uly__lt_size(m->t);
     uint64_t x = (uint64_t)(uintptr_t)m->p | 256u | (uint64_t)(ld * es);
     if (batch > 1) x |= (uint64_t)(m->stride * es);
     return (uint32_t)(x & (~x + 1));
@@ -2503,9 +2506,10 @@ static uly_status uly__lt_gemm(cublasLtHandle_t lt, uly__lt_mat a, int ta, uly__
                                                     sizeof op[1]), "TRANSB"));
     for (int i = 0; i < 3; i++) {
         /* cuBLASLt wants ld >= a row's length even for one row, whose ld is never applied
-           (a decode step's query may have any row stride); a long enough one stays, as its
-           alignment may be what lets the search take a tensor-core kernel. */
-        const int64_t ld = m[i]->rows > 1 || m[i]->ld >= m[i]->cols ? m[i]->ld : m[i]->cols;
+           (a decode step's query may have any row stride): there the length rounded up to 16
+           bytes, so that an odd one does not keep the search from tensor-core kernels. */
+        const int64_t w = 16 / uly__lt_size(m[i]->t);
+        const int64_t ld = m[i]->rows > 1 ? m[i]->ld : (m[i]->cols + w - 1) / w * w;
         align[i] = uly__lt_align(m[i], ld, batch);
         ULY__TRY(uly__lt(cublasLtMatrixLayoutInit(&l[i], m[i]->t, (uint64_t)m[i]->cols,
                                                   (uint64_t)m[i]->rows, ld),
