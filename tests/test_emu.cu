@@ -1422,8 +1422,8 @@ static int peek(const int *d) {  // device memory read in place: emulator only
     return *(const volatile int *)d;
 }
 
-// A query's "not ready" is also the thread's last error (stream_work_runs_after_its_call_in_
-// queue_order): the tests take it, as a program must before its next launch check.
+// A query's "not ready" is also the thread's last error (see the test after this): the tests
+// take it, as a program must before its next launch check.
 static bool not_ready(cudaError_t e) {
     return e == cudaErrorNotReady && cudaGetLastError() == cudaErrorNotReady;
 }

@@ -81,7 +81,8 @@ const char *const kCalls[] = {
     "ncclCommAbort", "ncclGroupStart", "ncclGroupEnd",
     "ncclCommSplit", "ncclCommCount", "ncclCommUserRank", "ncclCommGetAsyncError", "ncclSend",
     "ncclRecv", "ncclAlltoAll", "ncclAllReduce"};
-constexpr int kNumCalls = sizeof kCalls / sizeof *kCalls, kFirstFaultable = 7;
+constexpr int kNumCalls = sizeof kCalls / sizeof *kCalls;
+const char *const kFirstFaultable = "ncclCommSplit";
 
 // Long enough for any peer of a test to reach its matching call, even under ASan.
 constexpr std::chrono::seconds kHang(60);
@@ -732,9 +733,9 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
 // Test hooks (nccl_emu.h)
 
 void uly_emu_nccl_fail(ncclComm_t comm, const char *call, ncclResult_t r, const char *msg) {
-    if (call_index(call) < kFirstFaultable)
+    if (call_index(call) < call_index(kFirstFaultable))
         fatal("uly_emu_nccl_fail: %s serves no communicator's faults (%s and later do)", call,
-              kCalls[kFirstFaultable]);
+              kFirstFaultable);
     std::lock_guard<std::mutex> lock(m);
     comm->faults.push_back(Fault{call, r, msg});
 }
