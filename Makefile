@@ -65,11 +65,13 @@ $(BUILD) $(BUILD)/asan:
 # --- foundation (ulysses.h) ---
 
 # Foundation tests (tests/test_*.c): every C test is built twice, plain in $(BUILD)/ and with
-# $(SAN) (at -O1, quicker to build) in $(BUILD)/asan/, and both run. The MPI test needs mpicc, the torch test PyTorch.
+# $(SAN) (at -O1, quicker to build) in $(BUILD)/asan/, and both run. The MPI test needs mpicc,
+# the torch test PyTorch.
 ULY_CTESTS    = test_plan test_layer test_loss test_errors test_dtype test_edges test_torch
 ULY_TEST_DEPS = ulysses.h tests/check.h tests/ref64.h tests/sp_case.h tests/attn_call.h
 ULY_TORCH_RUN = $(PYTHON) tests/torch_attention.py
-HAVE_CLANG   := $(shell command -v clang >/dev/null 2>&1 && command -v clang++ >/dev/null 2>&1 && echo 1)
+HAVE_CLANG   := $(shell command -v clang >/dev/null 2>&1 && \
+                        command -v clang++ >/dev/null 2>&1 && echo 1)
 
 $(BUILD)/hdr:
 	mkdir -p $@
@@ -196,7 +198,8 @@ EMU_ASAN_OBJ = $(BUILD)/asan/emu/cuda_emu.o
 # An emulated test's ASan run is its plain run's cases instrumented, less the cases that only
 # repeat kernels and buffers the ASan run already covers (ASAN_SKIP_test, words of
 # ULY_TEST_FILTER): a repeat costs ASan's 5x and finds no new access.
-ASAN_RUN = $(if $(ASAN_SKIP_$(1)),'ULY_TEST_FILTER=$(ASAN_SKIP_$(1)) $(BUILD)/asan/$(1)',$(BUILD)/asan/$(1))
+ASAN_RUN = $(if $(ASAN_SKIP_$(1)),'ULY_TEST_FILTER=$(ASAN_SKIP_$(1)) $(BUILD)/asan/$(1)', \
+                                  $(BUILD)/asan/$(1))
 
 $(EMU_OBJ): tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
@@ -344,7 +347,8 @@ endif
 GPU_TESTS += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
 GPU_BINS  += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
 ifeq ($(HAVE_MPI)$(HAVE_NCCL),11)
-GPU_TESTS += 'env $(MPIRUN) -np $(NGPUS) $(BUILD)/gpu/sp_attention_nccl && echo "1 passed, 0 failed"'
+GPU_TESTS += 'env $(MPIRUN) -np $(NGPUS) $(BUILD)/gpu/sp_attention_nccl && \
+              echo "1 passed, 0 failed"'
 GPU_BINS  += $(BUILD)/gpu/sp_attention_nccl
 else
 GPU_TESTS += 'skip:the NCCL example (needs $(MPICC) and nccl.h; see NCCL_HOME)'
@@ -391,18 +395,19 @@ $(BUILD)/gpu/test_flash: tests/test_flash.cu $(FLASH_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
 
-$(BUILD)/emu/cublaslt_emu.o: tests/emu/cublaslt_emu.cpp tests/emu/cublaslt_emu.h tests/emu/cuda_emu.h
+LT_EMU_SRC = tests/emu/cublaslt_emu.cpp tests/emu/cublaslt_emu.h tests/emu/cuda_emu.h
+$(BUILD)/emu/cublaslt_emu.o: $(LT_EMU_SRC)
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
-$(BUILD)/asan/emu/cublaslt_emu.o: tests/emu/cublaslt_emu.cpp tests/emu/cublaslt_emu.h tests/emu/cuda_emu.h
+$(BUILD)/asan/emu/cublaslt_emu.o: $(LT_EMU_SRC)
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
 $(BUILD)/test_cublaslt: tests/test_cublaslt.cu tests/emu/cublaslt_emu.h $(FLASH_HDRS) $(EMU_OBJ) \
                         $(BUILD)/emu/cublaslt_emu.o
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
-$(BUILD)/asan/test_cublaslt: tests/test_cublaslt.cu tests/emu/cublaslt_emu.h $(FLASH_HDRS) $(EMU_ASAN_OBJ) \
-                             $(BUILD)/asan/emu/cublaslt_emu.o
+$(BUILD)/asan/test_cublaslt: tests/test_cublaslt.cu tests/emu/cublaslt_emu.h $(FLASH_HDRS) \
+                             $(EMU_ASAN_OBJ) $(BUILD)/asan/emu/cublaslt_emu.o
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 $(BUILD)/gpu/test_cublaslt: tests/test_cublaslt.cu $(FLASH_HDRS)
@@ -429,7 +434,8 @@ endif
 # A trap ends a GPU's CUDA context, so test_flash's traps_on_cu_seqlens_* run a process each.
 FLASH_TRAPS = decreasing not_from_0 short_of_rows past_rows over_max backward bad_document_past_256
 GPU_TESTS += 'ULY_TEST_FILTER=-traps_on $(BUILD)/gpu/test_flash' $(BUILD)/gpu/test_cublaslt \
-             $(foreach t,$(FLASH_TRAPS),'ULY_TEST_FILTER=traps_on_cu_seqlens_$(t) $(BUILD)/gpu/test_flash')
+             $(foreach t,$(FLASH_TRAPS), \
+                 'ULY_TEST_FILTER=traps_on_cu_seqlens_$(t) $(BUILD)/gpu/test_flash')
 GPU_BINS  += $(FLASH_TESTS:%=$(BUILD)/gpu/%)
 
 # TFLOP/s against PyTorch's SDPA, results under bench/ (bench/run_attn.sh says which files).
@@ -506,7 +512,8 @@ endif
 # memcheck (out-of-bounds and misaligned accesses), synccheck (barriers) and racecheck
 # (shared-memory hazards as the hardware ran them; the slowest, so last), on the kernels' subset
 # above. memcheck also takes the varlen paths, the only ones whose rows come from device memory.
-CSAN := $(firstword $(shell command -v compute-sanitizer) $(wildcard $(CUDA_HOME)/bin/compute-sanitizer))
+CSAN := $(firstword $(shell command -v compute-sanitizer) \
+                   $(wildcard $(CUDA_HOME)/bin/compute-sanitizer))
 GPU_SAN_BINS = $(BUILD)/gpu/test_flash $(BUILD)/gpu/test_cuda_layer $(BUILD)/gpu/test_cuda_layout
 CSAN_FLASH_memcheck = $(TSAN_FLASH),varlen_documents
 CSAN_LAYER_memcheck = $(TSAN_LAYER),flash_layer_bf16,attends_within
