@@ -3,7 +3,9 @@
    attention computed unsharded.
 
        make build/gpu/sp_attention_nccl
-       mpirun -np 4 build/gpu/sp_attention_nccl [sp_size]   (default: every rank in one SP group)
+       mpirun -np 4 build/gpu/sp_attention_nccl [sp_size [seq_len]]
+
+   sp_size defaults to every rank in one SP group, seq_len to 1024.
 
    make test-gpu runs it with one rank per GPU of the machine. Each rank takes the GPU of its
    index on its node, so a node may hold no more ranks than GPUs (NCCL refuses two ranks on one
@@ -25,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { B = 2, S = 1024, H = 16, HKV = 4, D = 64 };
+enum { B = 2, H = 16, HKV = 4, D = 64 };
 
 #define CUDA_OK(call)                                                                             \
     do {                                                                                          \
@@ -66,35 +68,81 @@ static __nv_bfloat16 *to_gpu(const __nv_bfloat16 *x, int64_t n) {
     return d;
 }
 
-static float *to_host(const uly_tensor *t) { /* a [b, s, h, d] view, densely, in float */
-    const int64_t hd = t->h * t->d;
-    float *x = (float *)malloc((size_t)(t->b * t->s * hd) * sizeof(float));
-    __nv_bfloat16 *token = (__nv_bfloat16 *)malloc((size_t)hd * 2);
-    for (int64_t b = 0, i = 0; b < t->b; b++)
-        for (int64_t s = 0; s < t->s; s++, i += hd) { /* a token's heads, sh apart */
-            const __nv_bfloat16 *src = (const __nv_bfloat16 *)t->data + b * t->sb + s * t->ss;
-            const int64_t pitch = t->h > 1 ? t->sh : t->d;
-            CUDA_OK(cudaMemcpy2D(token, (size_t)t->d * 2, src, (size_t)pitch * 2,
-                                 (size_t)t->d * 2, (size_t)t->h, cudaMemcpyDeviceToHost));
-            for (int64_t e = 0; e < hd; e++) x[i + e] = __bfloat162float(token[e]);
-        }
-    free(token);
+/* A [b, s, h, d] view, densely, in float: the bytes it spans, copied whole, then its elements. */
+static float *to_host(const uly_tensor *t) {
+    const int64_t span = (t->b - 1) * t->sb + (t->s - 1) * t->ss + (t->h - 1) * t->sh + t->d;
+    __nv_bfloat16 *raw = (__nv_bfloat16 *)malloc((size_t)span * 2);
+    CUDA_OK(cudaMemcpy(raw, t->data, (size_t)span * 2, cudaMemcpyDeviceToHost));
+    float *x = (float *)malloc((size_t)(t->b * t->s * t->h * t->d) * sizeof(float)), *xi = x;
+    for (int64_t b = 0; b < t->b; b++)
+        for (int64_t s = 0; s < t->s; s++)
+            for (int64_t h = 0; h < t->h; h++)
+                for (int64_t e = 0; e < t->d; e++)
+                    *xi++ = __bfloat162float(raw[b * t->sb + s * t->ss + h * t->sh + e]);
+    free(raw);
     return x;
 }
 
-/* max |got - want| / (1 + |want|) between a shard and tokens [s0, s0 + got.s) of a full tensor;
-   a NaN is an infinite error (fmax would drop it). */
-static double shard_error(uly_tensor got, uly_tensor full, int64_t s0) {
-    full.data = (__nv_bfloat16 *)full.data + s0 * full.ss;
-    full.s = got.s;
-    float *g = to_host(&got), *w = to_host(&full);
+/* max |got - want| / (1 + |want|) between a shard and tokens [s0, s0 + got.s) of want, the full
+   [B, S, got.h, got.d] tensor in float; a NaN is an infinite error (fmax would drop it). */
+static double shard_error(uly_tensor got, const float *want, int64_t S, int64_t s0) {
+    const int64_t row = got.h * got.d;
+    float *g = to_host(&got);
     double err = 0;
-    for (int64_t i = 0; i < got.b * got.s * got.h * got.d; i++) {
-        const double e = fabs((double)g[i] - w[i]) / (1 + fabs((double)w[i]));
-        if (!(e <= err)) err = isnan(e) ? INFINITY : e;
-    }
-    free(g), free(w);
+    for (int64_t b = 0, i = 0; b < got.b; b++)
+        for (int64_t s = 0; s < got.s; s++)
+            for (int64_t e = 0; e < row; e++, i++) {
+                const double w = want[(b * S + s0 + s) * row + e];
+                const double x = fabs((double)g[i] - w) / (1 + fabs(w));
+                if (!(x <= err)) err = isnan(x) ? INFINITY : x;
+            }
+    free(g);
     return err;
+}
+
+/* dk and dv as the layer forms them, into want_k and want_v ([B, S, HKV, D], S = a.q.s). A kv
+   head whose query heads lie on several ranks of the SP group gets a share of its gradient from
+   each (the backward over that rank's heads, rounded to bf16), which the exchange back sums in
+   fp32 in rank order, rounding once. Not always within an ulp of the unsharded gradient, which
+   rounds the group's sum once: shares that cancel are rounded on a larger scale than their sum.
+   A rank's share is the unsharded backward `a` with dout zero outside the rank's heads, whose
+   terms are then exact zeros. */
+static void layer_dkv(const uly_plan *plan, const uly_attn *attn, uly_attn_args a,
+                      const __nv_bfloat16 *h_dout, float *want_k, float *want_v) {
+    const int64_t S = a.q.s, nq = B * S * H * D, nkv = B * S * HKV * D;
+    __nv_bfloat16 *masked = (__nv_bfloat16 *)malloc((size_t)nq * 2);
+    a.dout = uly_dense(to_gpu(NULL, nq), ULY_BF16, B, S, H, D);
+    a.dq = uly_dense(to_gpu(NULL, nq), ULY_BF16, B, S, H, D);
+    a.dk = uly_dense(to_gpu(NULL, nkv), ULY_BF16, B, S, HKV, D);
+    a.dv = uly_dense(to_gpu(NULL, nkv), ULY_BF16, B, S, HKV, D);
+    int64_t held = 0; /* kv heads [0, held) have a share from an earlier rank */
+    for (int j = 0; j < plan->desc.sp_size; j++) {
+        const uly_range h = uly_heads(plan, j), kv = uly_kv_heads(plan, j);
+        for (int64_t i = 0; i < nq; i++) {
+            const int64_t head = i / D % H;
+            masked[i] = head >= h.start && head < h.start + h.count ? h_dout[i]
+                                                                     : __float2bfloat16_rn(0.f);
+        }
+        CUDA_OK(cudaMemcpy(a.dout.data, masked, (size_t)nq * 2, cudaMemcpyHostToDevice));
+        ulysses_ok(attn->bwd(attn->ctx, &a), "a rank's share");
+        CUDA_OK(cudaStreamSynchronize((cudaStream_t)a.stream));
+        float *share_k = to_host(&a.dk), *share_v = to_host(&a.dv);
+        for (int64_t i = 0; i < nkv; i++) {
+            const int64_t hk = i / D % HKV;
+            if (hk < kv.start || hk >= kv.start + kv.count) continue;
+            want_k[i] = hk < held ? want_k[i] + share_k[i] : share_k[i];
+            want_v[i] = hk < held ? want_v[i] + share_v[i] : share_v[i];
+        }
+        held = kv.start + kv.count;
+        free(share_k), free(share_v);
+    }
+    for (int64_t i = 0; i < nkv; i++) {
+        want_k[i] = __bfloat162float(__float2bfloat16_rn(want_k[i]));
+        want_v[i] = __bfloat162float(__float2bfloat16_rn(want_v[i]));
+    }
+    free(masked);
+    const uly_tensor gpu[4] = {a.dout, a.dq, a.dk, a.dv};
+    for (int i = 0; i < 4; i++) CUDA_OK(cudaFree(gpu[i].data));
 }
 
 int main(int argc, char **argv) {
@@ -102,7 +150,7 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
-    const int P = argc > 1 ? atoi(argv[1]) : world;
+    const int P = argc > 1 ? atoi(argv[1]) : world, S = argc > 2 ? atoi(argv[2]) : 1024;
 
     /* The GPU: this rank's index on its node, or the only one it sees (a launcher that binds
        each rank to its GPU through CUDA_VISIBLE_DEVICES). rank % ndev would give two ranks one
@@ -194,19 +242,25 @@ int main(int argc, char **argv) {
     ulysses_ok(L.attn.bwd(L.attn.ctx, &a), "unsharded backward");
     CUDA_OK(cudaStreamSynchronize(stream));
 
-    /* The flash forward runs per (batch, head, query block), so out is bitwise the unsharded
-       rows. The gradients may differ by one bf16 ulp (relative to 1 + |want|): dQ's fp32 atomics
-       sum in any order, and a GQA group whose heads are split across ranks sums its dK and dV
-       copies, each already rounded to bf16, in another order. */
-    double err[4] = {shard_error(out_r, out, tok.start), shard_error(dq_r, dq, tok.start),
-                     shard_error(dk_r, dk, tok.start), shard_error(dv_r, dv, tok.start)};
-    int bad = err[0] > 0 || err[1] > 0x1p-7 || err[2] > 0x1p-7 || err[3] > 0x1p-7, any_bad;
+    /* The flash kernels run per (batch, head, query block) and per (batch, kv head, key block),
+       so out is bitwise the unsharded rows, and dk and dv are bitwise the shares summed as the
+       layer sums them. dq may differ by one bf16 ulp (relative to 1 + |want|): its fp32 atomics
+       sum in any order. */
+    const int64_t nkv = (int64_t)B * S * HKV * D;
+    const uly_tensor got[4] = {out_r, dq_r, dk_r, dv_r};
+    float *want[4] = {to_host(&out), to_host(&dq), (float *)malloc((size_t)nkv * sizeof(float)),
+                      (float *)malloc((size_t)nkv * sizeof(float))};
+    layer_dkv(&plan, &L.attn, a, h_dout, want[2], want[3]);
+    double err[4];
+    for (int i = 0; i < 4; i++) err[i] = shard_error(got[i], want[i], S, tok.start);
+    int bad = err[0] > 0 || err[1] > 0x1p-7 || err[2] > 0 || err[3] > 0, any_bad;
     printf("rank %d (sp %d/%d, dp %d): tokens [%lld, %lld): out %.1e dq %.1e dk %.1e dv %.1e %s\n",
            rank, plan.sp_rank, P, plan.dp_rank, (long long)tok.start,
            (long long)(tok.start + tok.count), err[0], err[1], err[2], err[3], bad ? "FAIL" : "ok");
     MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     if (rank == 0)
         printf("%s\n", any_bad ? "FAIL" : "ok: the SP layer matches unsharded attention");
+    for (int i = 0; i < 4; i++) free(want[i]);
 
     cudaFree(nccl.scratch);
     ncclCommDestroy(dp), ncclCommDestroy(sp), ncclCommDestroy(all);
