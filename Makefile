@@ -336,13 +336,27 @@ TEST_BINS += $(BUILD)/gpu/sp_attention_nccl
 else
 TESTS     += 'skip:NCCL example build (needs nvcc, $(MPICC) and nccl.h)'
 endif
+# The NCCL example itself, under the emulator with its ranks as threads: tests/emu/mpi_emu.cpp
+# stands for MPI (the example's <mpi.h> is tests/emu/mpi/mpi.h; its main, renamed, runs once a
+# rank) and nccl_emu.cpp for NCCL. Three ranks split GQA groups over ranks; four in SP groups of
+# two make two DP groups. 100 tokens: every rank also runs the unsharded attention it checks.
+$(BUILD)/emu/mpi_emu.o: tests/emu/mpi_emu.cpp tests/emu/mpi/mpi.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
+$(BUILD)/emu/sp_attention_nccl: examples/sp_attention_nccl.cu tests/emu/mpi/mpi.h $(CUDA_HDRS) \
+                                $(EMU_OBJ) $(BUILD)/emu/nccl_emu.o $(BUILD)/emu/mpi_emu.o
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -Itests/emu/mpi -Dmain=mpi_emu_main \
+	    -include tests/emu/cuda_emu.h -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 ifeq ($(HAVE_NCCL),1)
 TESTS     += $(BUILD)/test_nccl $(BUILD)/test_nccl_sendrecv $(BUILD)/asan/test_nccl
 TESTS     += 'ULY_TEST_FILTER=an_older_nccl $(BUILD)/test_nccl_2_27'
+TESTS     += '$(BUILD)/emu/sp_attention_nccl -np 3 3 100 && echo "1 passed, 0 failed"'
+TESTS     += '$(BUILD)/emu/sp_attention_nccl -np 4 2 100 && echo "1 passed, 0 failed"'
 TEST_BINS += $(BUILD)/test_nccl $(BUILD)/test_nccl_sendrecv $(BUILD)/asan/test_nccl
-TEST_BINS += $(BUILD)/test_nccl_2_27
+TEST_BINS += $(BUILD)/test_nccl_2_27 $(BUILD)/emu/sp_attention_nccl
 else
-TESTS     += 'skip:test_nccl (no nccl.h in $(CUDA_HOME)/include or /usr/include)'
+TESTS     += 'skip:test_nccl and the emulated NCCL example (no nccl.h; see NCCL_HOME)'
 endif
 GPU_TESTS += $(CUDA_TESTS:%=$(BUILD)/gpu/%)
 GPU_BINS  += $(CUDA_TESTS:%=$(BUILD)/gpu/%)

@@ -7,7 +7,8 @@
 
    sp_size defaults to every rank in one SP group, seq_len to 1024.
 
-   make test-gpu runs it with one rank per GPU of the machine. Each rank takes the GPU of its
+   make test-gpu runs it with one rank per GPU of the machine; make test runs it on the CPU, ranks
+   as threads (tests/emu: the CUDA emulator, NCCL and MPI doubles). Each rank takes the GPU of its
    index on its node, so a node may hold no more ranks than GPUs (NCCL refuses two ranks on one
    GPU).
 

@@ -40,7 +40,8 @@
      split returns what it made and destroys nothing; NULL arguments are ULY_EINVAL.
 
    Emulator only: NCCL refuses two ranks on one GPU, so this cannot run on a single real GPU.
-   The NCCL code on GPUs is make test-gpu's MPI run of examples/sp_attention_nccl.cu. */
+   The NCCL code on GPUs is make test-gpu's MPI run of examples/sp_attention_nccl.cu (which make
+   test runs here too, its ranks as threads: tests/emu/mpi_emu.cpp). */
 #include "emu/cuda_emu.h"
 #include <nccl.h>
 #include "emu/nccl_emu.h"
