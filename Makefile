@@ -348,6 +348,15 @@ $(BUILD)/emu/sp_attention_nccl: examples/sp_attention_nccl.cu tests/emu/mpi/mpi.
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -Itests/emu/mpi -Dmain=mpi_emu_main \
 	    -include tests/emu/cuda_emu.h -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+# The MPI double's own test, built as the example is: its collectives, and ranks that enter
+# different ones end the process with a message.
+$(BUILD)/emu/test_mpi_emu: tests/test_mpi_emu.c tests/emu/mpi/mpi.h $(BUILD)/emu/mpi_emu.o
+	$(CC) $(CFLAGS) -Itests/emu/mpi -Dmain=mpi_emu_main -c $< -o $@.o
+	$(CXX) $@.o $(BUILD)/emu/mpi_emu.o -o $@ $(LDLIBS)
+TESTS     += '$(BUILD)/emu/test_mpi_emu -np 3'
+TESTS     += 'out=$$($(BUILD)/emu/test_mpi_emu -np 2 mismatch 2>&1); [ $$? -ne 0 ] && echo "$$out" | \
+              grep "called MPI_.* while rank [0-9]* called MPI_" && echo "1 passed, 0 failed"'
+TEST_BINS += $(BUILD)/emu/test_mpi_emu
 ifeq ($(HAVE_NCCL),1)
 TESTS     += $(BUILD)/test_nccl $(BUILD)/test_nccl_sendrecv $(BUILD)/asan/test_nccl
 TESTS     += 'ULY_TEST_FILTER=an_older_nccl $(BUILD)/test_nccl_2_27'

@@ -6,8 +6,10 @@
 // -Dmain=mpi_emu_main. This file's main takes mpirun's `-np N`, runs mpi_emu_main on N threads,
 // one rank each, with the arguments after N, and exits with the largest status they return.
 //
-// What it models: the calls mpi/mpi.h declares, with MPI's semantics for ranks on one node.
-// MPI_Bcast, MPI_Allreduce (MPI_INT by MPI_MAX or MPI_SUM) and MPI_Finalize meet every rank.
+// The program's ranks share its globals, so a rank must write none (processes each have their
+// own). What it models: the calls mpi/mpi.h declares, with MPI's semantics for ranks on one node.
+// MPI_Bcast, MPI_Allreduce (MPI_INT by MPI_MAX or MPI_SUM), MPI_Comm_split_type and
+// MPI_Finalize meet every rank.
 // Where MPI would hang or corrupt memory, the double aborts with a message instead: ranks that
 // enter different collectives (or the same with other counts, types, roots or operations), a
 // rank that waits a minute for its peers, an unknown communicator, type or operation.
@@ -25,8 +27,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-int mpi_emu_main(int argc, char **argv);
 
 namespace {
 

@@ -36,6 +36,9 @@ int MPI_Allreduce(const void *send, void *recv, int count, MPI_Datatype type, MP
                   MPI_Comm comm);
 int MPI_Abort(MPI_Comm comm, int code);
 
+/* The program's main, renamed by -Dmain=mpi_emu_main: mpi_emu.cpp's main runs it once a rank. */
+int mpi_emu_main(int argc, char **argv);
+
 #ifdef __cplusplus
 }
 #endif
