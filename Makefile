@@ -338,16 +338,24 @@ TESTS     += 'skip:NCCL example build (needs nvcc, $(MPICC) and nccl.h)'
 endif
 # The NCCL example itself, under the emulator with its ranks as threads: tests/emu/mpi_emu.cpp
 # stands for MPI (the example's <mpi.h> is tests/emu/mpi/mpi.h; its main, renamed, runs once a
-# rank) and nccl_emu.cpp for NCCL. Three ranks split GQA groups over ranks; four in SP groups of
-# two make two DP groups. 100 tokens: every rank also runs the unsharded attention it checks.
+# rank) and nccl_emu.cpp for NCCL. Four ranks in SP groups of two make two DP groups; three
+# split GQA groups over ranks (with ASan, on 64 tokens, a single tile: every rank also runs the
+# unsharded attention it checks).
+EX_EMU_FLAGS = $(NCCL_INC) -Itests/emu/mpi -Dmain=mpi_emu_main -include tests/emu/cuda_emu.h
 $(BUILD)/emu/mpi_emu.o: tests/emu/mpi_emu.cpp tests/emu/mpi/mpi.h
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
+$(BUILD)/asan/emu/mpi_emu.o: tests/emu/mpi_emu.cpp tests/emu/mpi/mpi.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
 $(BUILD)/emu/sp_attention_nccl: examples/sp_attention_nccl.cu tests/emu/mpi/mpi.h $(CUDA_HDRS) \
                                 $(EMU_OBJ) $(BUILD)/emu/nccl_emu.o $(BUILD)/emu/mpi_emu.o
-	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -Itests/emu/mpi -Dmain=mpi_emu_main \
-	    -include tests/emu/cuda_emu.h -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(EX_EMU_FLAGS) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+$(BUILD)/asan/emu/sp_attention_nccl: examples/sp_attention_nccl.cu tests/emu/mpi/mpi.h \
+                                     $(CUDA_HDRS) $(EMU_ASAN_OBJ) $(BUILD)/asan/emu/nccl_emu.o \
+                                     $(BUILD)/asan/emu/mpi_emu.o
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) $(EX_EMU_FLAGS) -x c++ $< -x none $(filter %.o,$^) -o $@ \
+	    $(LDLIBS)
 # The MPI double's own test, built as the example is: its collectives, and ranks that enter
 # different ones end the process with a message.
 $(BUILD)/emu/test_mpi_emu: tests/test_mpi_emu.c tests/emu/mpi/mpi.h $(BUILD)/emu/mpi_emu.o
@@ -360,10 +368,11 @@ TEST_BINS += $(BUILD)/emu/test_mpi_emu
 ifeq ($(HAVE_NCCL),1)
 TESTS     += $(BUILD)/test_nccl $(BUILD)/test_nccl_sendrecv $(BUILD)/asan/test_nccl
 TESTS     += 'ULY_TEST_FILTER=an_older_nccl $(BUILD)/test_nccl_2_27'
-TESTS     += '$(BUILD)/emu/sp_attention_nccl -np 3 3 100 && echo "1 passed, 0 failed"'
 TESTS     += '$(BUILD)/emu/sp_attention_nccl -np 4 2 100 && echo "1 passed, 0 failed"'
+TESTS     += '$(BUILD)/asan/emu/sp_attention_nccl -np 3 3 64 && echo "1 passed, 0 failed"'
 TEST_BINS += $(BUILD)/test_nccl $(BUILD)/test_nccl_sendrecv $(BUILD)/asan/test_nccl
 TEST_BINS += $(BUILD)/test_nccl_2_27 $(BUILD)/emu/sp_attention_nccl
+TEST_BINS += $(BUILD)/asan/emu/sp_attention_nccl
 else
 TESTS     += 'skip:test_nccl and the emulated NCCL example (no nccl.h; see NCCL_HOME)'
 endif

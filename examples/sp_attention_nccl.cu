@@ -262,8 +262,12 @@ int main(int argc, char **argv) {
     if (rank == 0)
         printf("%s\n", any_bad ? "FAIL" : "ok: the SP layer matches unsharded attention");
     for (int i = 0; i < 4; i++) free(want[i]);
+    free(h_qkv), free(h_dout);
 
-    cudaFree(nccl.scratch);
+    void *gpu[] = {q.data,      dq.data, out.data,  dout.data, qkv_r,       dqkv_r,
+                   out_r.data, saved,   L.workspace, a.lse,   a.workspace, nccl.scratch};
+    for (size_t i = 0; i < sizeof gpu / sizeof *gpu; i++) CUDA_OK(cudaFree(gpu[i]));
+    CUDA_OK(cudaStreamDestroy(stream));
     ncclCommDestroy(dp), ncclCommDestroy(sp), ncclCommDestroy(all);
     MPI_Finalize();
     return any_bad;
