@@ -165,12 +165,18 @@ $(BUILD)/demo-mpi: examples/demo.c ulysses.h | $(BUILD)
 	$(MPICC) $(ULY_FAST) -DULYSSES_MPI -o $@ $< $(LDLIBS)
 demo: $(BUILD)/demo
 	$(BUILD)/demo $(DEMO_ARGS)
+# make test runs both, on 300 tokens: 3 ranks split the kv groups and the tokens unevenly.
+TESTS     += '$(BUILD)/demo -s 300 -p 3 -b 2 && echo "1 passed, 0 failed"'
+TEST_BINS += $(BUILD)/demo
 ifeq ($(HAVE_MPI),1)
 demo-mpi: $(BUILD)/demo-mpi
 	$(MPIRUN) -np 4 $(BUILD)/demo-mpi $(DEMO_ARGS)
+TESTS     += 'env $(MPIRUN) -np 3 $(BUILD)/demo-mpi -s 300 -b 2 && echo "1 passed, 0 failed"'
+TEST_BINS += $(BUILD)/demo-mpi
 else
 demo-mpi:
 	@echo "demo-mpi: no $(MPICC) here (apt-get install openmpi-bin libopenmpi-dev)"; exit 1
+TESTS     += 'skip:demo-mpi (no $(MPICC): apt-get install openmpi-bin libopenmpi-dev)'
 endif
 
 $(BUILD)/bench_cpu: bench/bench_cpu.c ulysses.h | $(BUILD)
