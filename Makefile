@@ -42,6 +42,7 @@ TESTARCH = -arch=sm_$(or $(GPU_SM),90)
 HAVE_MPI   := $(shell command -v $(MPICC) >/dev/null 2>&1 && echo 1)
 HAVE_NVCC  := $(shell command -v $(NVCC) >/dev/null 2>&1 && echo 1)
 HAVE_TORCH := $(shell $(PYTHON) -c 'import torch' >/dev/null 2>&1 && echo 1)
+HAVE_MPL   := $(shell $(PYTHON) -c 'import matplotlib' >/dev/null 2>&1 && echo 1)
 HAVE_GPU   := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
 # Each section adds to these lists. TESTS are shell commands whose output ends in
@@ -484,16 +485,23 @@ GPU_BINS    += $(BUILD)/gpu/bench_attn
 GPU_BENCH_BINS += $(BUILD)/gpu/bench_attn
 GPU_BENCHES += 'bench/run_attn.sh $(BUILD)/gpu/bench_attn $(PYTHON)'
 # The same pipeline at a tiny size, bench_attn under the emulator and bench_sdpa.py on the CPU: a
-# smoke check (every program runs, the table prints; the times mean nothing), into
-# $(BUILD)/smoke_attn so that bench/'s results stay. Without PyTorch the table has our rows only.
+# smoke check (every program runs, the table prints, the plot is drawn; the times mean nothing),
+# into $(BUILD)/smoke_attn so that bench/'s results stay. Without PyTorch the table has our rows
+# only; without matplotlib there is no plot.
 $(BUILD)/emu/bench_attn: bench/bench_attn.cu bench/bench_cuda.h $(FLASH_HDRS) $(EMU_OBJ)
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
 TESTS     += 'rm -rf $(BUILD)/smoke_attn && bench/run_attn.sh -o $(BUILD)/smoke_attn -d cpu \
-              $(BUILD)/emu/bench_attn $(PYTHON) 256 128 256 128 && echo "1 passed, 0 failed"'
+              $(BUILD)/emu/bench_attn $(PYTHON) 256 128 256 128 \
+              $(if $(HAVE_MPL),&& [ -s $(BUILD)/smoke_attn/attention.png ]) && \
+              echo "1 passed, 0 failed"'
 TEST_BINS += $(BUILD)/emu/bench_attn
 ifneq ($(HAVE_TORCH),1)
 TESTS     += 'skip:bench_sdpa.py smoke run (no PyTorch for $(PYTHON))'
+endif
+ifneq ($(HAVE_MPL),1)
+TESTS     += 'skip:the attention plot (no matplotlib for $(PYTHON): apt-get install \
+              python3-matplotlib)'
 endif
 
 # --- races ---

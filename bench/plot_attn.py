@@ -49,6 +49,8 @@ def main():
             ax.set_xscale("log", base=2)
             ax.set_title(f"{pas} D={d} {'causal' if causal else 'full'}")
             ax.set_ylabel("TFLOP/s")
+            if row == 1:
+                ax.set_xlabel("S (B * S fixed)")
             ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
