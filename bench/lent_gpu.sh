@@ -103,7 +103,7 @@ kill "$smi" 2>/dev/null
 {
     cat "$stage/machine.txt" "$stage/make.txt"
     echo "== build"
-    grep -E 'error:|Error [0-9]|exit [0-9]' "$stage/build.log" | tail -n 20
+    grep -E 'error:|Error [0-9]|^make build: exit' "$stage/build.log" | tail -n 20
     echo "== test-gpu"
     grep -E '^(FAIL|skip)|^ +[a-z_/.]+:[0-9]+:|passed, [0-9]+ failed|exit [0-9]' \
         "$stage/test-gpu.log" | tail -n 60
