@@ -542,6 +542,16 @@ TSAN_LAYOUT   = -the_grid_shares,-boxes_larger_than_the_grid
 TESTS     += $(BUILD)/tsan/test_race 'ULY_TEST_FILTER=$(TSAN_LAYOUT) $(BUILD)/tsan/test_cuda_layout'
 TESTS     += 'ULY_TEST_FILTER=$(TSAN_LAYER) $(BUILD)/tsan/test_cuda_layer'
 TESTS     += 'ULY_TEST_FILTER=$(TSAN_FLASH) $(BUILD)/tsan/test_flash'
+# The MPI double, whose ranks are threads (a contribution overwritten before every peer has read
+# it is a race TSan reports).
+$(BUILD)/tsan/emu/mpi_emu.o: tests/emu/mpi_emu.cpp tests/emu/mpi/mpi.h
+	@mkdir -p $(@D)
+	$(CXX) $(EMU_CXXFLAGS) -O1 $(TSAN) -c $< -o $@
+$(BUILD)/tsan/test_mpi_emu: tests/test_mpi_emu.c tests/emu/mpi/mpi.h $(BUILD)/tsan/emu/mpi_emu.o
+	$(CC) $(CFLAGS) -O1 $(TSAN) -Itests/emu/mpi -Dmain=mpi_emu_main -c $< -o $@.o
+	$(CXX) $(TSAN) $@.o $(BUILD)/tsan/emu/mpi_emu.o -o $@ $(LDLIBS)
+TEST_BINS += $(BUILD)/tsan/test_mpi_emu
+TESTS     += '$(BUILD)/tsan/test_mpi_emu -np 4'
 ifeq ($(HAVE_NCCL),1)
 $(BUILD)/tsan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
