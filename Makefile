@@ -345,9 +345,9 @@ TESTS     += 'skip:NCCL example build (needs nvcc, $(MPICC) and nccl.h)'
 endif
 # The NCCL example itself, under the emulator with its ranks as threads: tests/emu/mpi_emu.cpp
 # stands for MPI (the example's <mpi.h> is tests/emu/mpi/mpi.h; its main, renamed, runs once a
-# rank) and nccl_emu.cpp for NCCL. Four ranks in SP groups of two make two DP groups; three
-# split GQA groups over ranks (with ASan, on 64 tokens, a single tile: every rank also runs the
-# unsharded attention it checks).
+# rank) and nccl_emu.cpp for NCCL. Four ranks in SP groups of two make two DP groups; three,
+# built with ASan, split GQA groups over ranks. Few tokens (100; 64, one tile, under ASan): every
+# rank also runs the unsharded attention it checks against.
 EX_EMU_FLAGS = $(NCCL_INC) -Itests/emu/mpi -Dmain=mpi_emu_main -include tests/emu/cuda_emu.h
 $(BUILD)/emu/mpi_emu.o: tests/emu/mpi_emu.cpp tests/emu/mpi/mpi.h
 	@mkdir -p $(@D)
@@ -369,8 +369,9 @@ $(BUILD)/emu/test_mpi_emu: tests/test_mpi_emu.c tests/emu/mpi/mpi.h $(BUILD)/emu
 	$(CC) $(CFLAGS) -Itests/emu/mpi -Dmain=mpi_emu_main -c $< -o $@.o
 	$(CXX) $@.o $(BUILD)/emu/mpi_emu.o -o $@ $(LDLIBS)
 TESTS     += '$(BUILD)/emu/test_mpi_emu -np 3'
-TESTS     += 'out=$$($(BUILD)/emu/test_mpi_emu -np 2 mismatch 2>&1); [ $$? -ne 0 ] && echo "$$out" | \
-              grep "called MPI_.* while rank [0-9]* called MPI_" && echo "1 passed, 0 failed"'
+TESTS     += 'out=$$($(BUILD)/emu/test_mpi_emu -np 2 mismatch 2>&1); [ $$? -ne 0 ] && \
+              echo "$$out" | grep "called MPI_.* while rank [0-9]* called MPI_" && \
+              echo "1 passed, 0 failed"'
 TEST_BINS += $(BUILD)/emu/test_mpi_emu
 ifeq ($(HAVE_NCCL),1)
 TESTS     += $(BUILD)/test_nccl $(BUILD)/test_nccl_sendrecv $(BUILD)/asan/test_nccl
