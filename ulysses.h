@@ -118,6 +118,10 @@ typedef enum uly_code {
     ULY_EUNSUPPORTED /* valid, but this implementation does not do it (dtype, head dim) */
 } uly_code;
 
+/* Every function that can fail returns one. msg leads with the name of the function the
+   caller called, then says what failed inside it and why: "uly_forward: saved_bytes (1280) <
+   uly_saved_bytes() (1792)", "uly_forward: alltoallv: ncclSend: ...". The functions of a
+   layer's parts (uly_comm, uly_layout, uly_attn) leave the name to their caller. */
 typedef struct uly_status {
     uly_code code;
     char msg[244];
@@ -482,6 +486,21 @@ static uly_status uly__ok(void) {
     s.code = ULY_OK;
     s.msg[0] = 0;
     return s;
+}
+
+/* st as public function fn returns it: its message led by "fn: ", so that a caller who prints
+   it knows which call failed, and what failed inside it (a helper, MPI, the communicator)
+   follows. */
+static uly_status uly__named(const char *fn, uly_status st) {
+    const size_t n = strlen(fn) + 2, cap = sizeof st.msg - 1; /* fn, ": "; then the NUL */
+    if (!st.code) return st;
+    size_t m = strlen(st.msg);
+    if (m > cap - n) m = cap - n; /* the message's end gives way */
+    memmove(st.msg + n, st.msg, m);
+    memcpy(st.msg, fn, n - 2);
+    memcpy(st.msg + n - 2, ": ", 2);
+    st.msg[n + m] = 0;
+    return st;
 }
 
 /* Sizes: an overflow, or an operand that already overflowed (-1), gives -1, so a chain of them
@@ -922,10 +941,10 @@ static int64_t uly__work_at(const uly_plan *p, void *base, uly__work *w) {
     return at;
 }
 
-ULYDEF uly_status uly_plan_init(uly_plan *p, const uly_plan_desc *desc) {
+static uly_status uly__plan_init(uly_plan *p, const uly_plan_desc *desc) {
     uly_plan q;
     uly__work w;
-    ULY__CHECK(p && desc, ULY_EINVAL, "uly_plan_init: %s is NULL", p ? "desc" : "p");
+    ULY__CHECK(p && desc, ULY_EINVAL, "%s is NULL", p ? "desc" : "p");
     memset(&q, 0, sizeof q);
     q.desc = *desc;
     if (!q.desc.n_kv_heads) q.desc.n_kv_heads = q.desc.n_heads;
@@ -947,6 +966,10 @@ ULYDEF uly_status uly_plan_init(uly_plan *p, const uly_plan_desc *desc) {
     ULY__TRY(uly__check_peer_bytes(&q, q.desc.max_bytes, "max_bytes"));
     *p = q;
     return uly__ok();
+}
+
+ULYDEF uly_status uly_plan_init(uly_plan *p, const uly_plan_desc *desc) {
+    return uly__named("uly_plan_init", uly__plan_init(p, desc));
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1127,14 +1150,15 @@ ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void 
     uly__rank ranks[ULY_MAX_SP];
     uly_status st = uly__ok();
     int started = 0;
-    ULY__CHECK(size >= 1 && size <= ULY_MAX_SP, ULY_EINVAL, "size (%d) must be in [1, %d]", size,
-               ULY_MAX_SP);
-    ULY__CHECK(fn, ULY_EINVAL, "fn is NULL");
+    ULY__CHECK(size >= 1 && size <= ULY_MAX_SP, ULY_EINVAL,
+               "uly_local_run: size (%d) must be in [1, %d]", size, ULY_MAX_SP);
+    ULY__CHECK(fn, ULY_EINVAL, "uly_local_run: fn is NULL");
     memset(&w, 0, sizeof w);
-    ULY__CHECK(!pthread_mutex_init(&w.mu, NULL), ULY_ECOMM, "pthread_mutex_init failed");
+    ULY__CHECK(!pthread_mutex_init(&w.mu, NULL), ULY_ECOMM,
+               "uly_local_run: pthread_mutex_init failed");
     if (pthread_cond_init(&w.cv, NULL)) {
         pthread_mutex_destroy(&w.mu);
-        return uly__err(ULY_ECOMM, "pthread_cond_init failed");
+        return uly__err(ULY_ECOMM, "uly_local_run: pthread_cond_init failed");
     }
     w.size = size, w.fn = fn, w.user = user;
     for (; started < size; started++) {
@@ -1147,7 +1171,8 @@ ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void 
         me->comm.barrier = uly__local_barrier;
         me->comm.ctx = me;
         if (pthread_create(&me->thread, NULL, uly__rank_main, me)) {
-            st = uly__err(ULY_ECOMM, "local comm: could not start the thread of rank %d", started);
+            st = uly__err(ULY_ECOMM, "uly_local_run: could not start the thread of rank %d",
+                          started);
             uly__break(&w, st); /* the started ranks fail their collectives and return */
             break;
         }
@@ -1268,12 +1293,12 @@ static uly_status uly__mpi_barrier(void *ctx) {
 }
 
 /* The comm keeps a pointer to m, which must outlive it. */
-ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out) {
+static uly_status uly__mpi_comm(uly_mpi *m, uly_comm *out) {
     int size, rank;
-    ULY__CHECK(m && out, ULY_EINVAL, "uly_mpi_comm: %s is NULL", m ? "out" : "m");
-    ULY__CHECK(m->comm != MPI_COMM_NULL, ULY_EINVAL, "uly_mpi_comm: m->comm is MPI_COMM_NULL");
+    ULY__CHECK(m && out, ULY_EINVAL, "%s is NULL", m ? "out" : "m");
+    ULY__CHECK(m->comm != MPI_COMM_NULL, ULY_EINVAL, "m->comm is MPI_COMM_NULL");
     ULY__CHECK(m->chunk_bytes >= 0 && m->chunk_bytes <= INT_MAX, ULY_EINVAL,
-               "uly_mpi_comm: chunk_bytes (%lld) must be in [0, INT_MAX] (0 = INT_MAX)",
+               "chunk_bytes (%lld) must be in [0, INT_MAX] (0 = INT_MAX)",
                ULY__LL(m->chunk_bytes));
     ULY__TRY(uly__mpi(MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN),
                       "MPI_Comm_set_errhandler"));
@@ -1288,19 +1313,27 @@ ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out) {
     return uly__ok();
 }
 
+ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out) {
+    return uly__named("uly_mpi_comm", uly__mpi_comm(m, out));
+}
+
 /* SP groups are sp_size consecutive ranks (color rank / sp_size); a DP group takes the ranks
    with the same position in each SP group (color rank % sp_size). */
-ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {
+static uly_status uly__mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {
     int size, rank;
-    ULY__CHECK(sp && dp, ULY_EINVAL, "uly_mpi_split: %s is NULL", sp ? "dp" : "sp");
-    ULY__CHECK(world != MPI_COMM_NULL, ULY_EINVAL, "uly_mpi_split: world is MPI_COMM_NULL");
+    ULY__CHECK(sp && dp, ULY_EINVAL, "%s is NULL", sp ? "dp" : "sp");
+    ULY__CHECK(world != MPI_COMM_NULL, ULY_EINVAL, "world is MPI_COMM_NULL");
     ULY__TRY(uly__mpi(MPI_Comm_size(world, &size), "MPI_Comm_size"));
     ULY__TRY(uly__mpi(MPI_Comm_rank(world, &rank), "MPI_Comm_rank"));
     ULY__CHECK(sp_size >= 1 && sp_size <= ULY_MAX_SP && size % sp_size == 0, ULY_EINVAL,
-               "uly_mpi_split: sp_size (%d) must be in [1, %d] and divide the world size (%d)",
-               sp_size, ULY_MAX_SP, size);
+               "sp_size (%d) must be in [1, %d] and divide the world size (%d)", sp_size,
+               ULY_MAX_SP, size);
     ULY__TRY(uly__mpi(MPI_Comm_split(world, rank / sp_size, rank, sp), "MPI_Comm_split (sp)"));
     return uly__mpi(MPI_Comm_split(world, rank % sp_size, rank, dp), "MPI_Comm_split (dp)");
+}
+
+ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {
+    return uly__named("uly_mpi_split", uly__mpi_split(world, sp_size, sp, dp));
 }
 #endif /* ULYSSES_MPI */
 
@@ -1529,8 +1562,10 @@ static int64_t uly__keys(const uly_attn_args *a, int64_t r) {
     return uly__max(0, uly__min(n, a->k.s));
 }
 
-ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
-    ULY__CHECK(a, ULY_EINVAL, "attention: args is NULL");
+/* uly_attn_check's rules, as the attentions check them (their messages name no function: the
+   attention's caller does). */
+static uly_status uly__attn_check(const uly_attn_args *a, int backward) {
+    ULY__CHECK(a, ULY_EINVAL, "args is NULL");
     uly_tensor q = a->q, k = a->k, kv = uly_dense(NULL, q.dtype, q.b, k.s, k.h, q.d);
     ULY__TRY(uly__check_view("q", q));
     ULY__CHECK(k.b == q.b, ULY_EINVAL, "k.b (%lld) != q.b (%lld)", ULY__LL(k.b), ULY__LL(q.b));
@@ -1562,6 +1597,10 @@ ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
     ULY__TRY(uly__check_like("dq", a->dq, q));
     ULY__TRY(uly__check_like("dk", a->dk, kv));
     return uly__check_like("dv", a->dv, kv);
+}
+
+ULYDEF uly_status uly_attn_check(const uly_attn_args *a, int backward) {
+    return uly__named("uly_attn_check", uly__attn_check(a, backward));
 }
 
 /* The attentions' rule for their workspace: need bytes (what workspace(ctx, a) gives; -1 when
@@ -1613,7 +1652,7 @@ static int64_t uly__cpu_workspace(void *ctx, const uly_attn_args *a) {
 
 static uly_status uly__cpu_check(void *ctx, const uly_attn_args *a, int backward) {
     (void)ctx;
-    ULY__TRY(uly_attn_check(a, backward));
+    ULY__TRY(uly__attn_check(a, backward));
     ULY__CHECK(a->q.dtype == ULY_F32, ULY_EUNSUPPORTED,
                "dtype %s: the CPU attention computes in f32 only", uly__dtype_name(a->q.dtype));
     return uly__check_workspace(a, uly__cpu_workspace(ctx, a), 4);
@@ -1861,16 +1900,15 @@ ULYDEF int64_t uly_layer_workspace(const uly_layer *l) {
     return uly__max(0, uly__layer_bytes(l));
 }
 
-/* The layer's plan is as uly_plan_init made it, and its comm (not NULL) is the plan's SP group.
-   who prefixes the messages. */
-static uly_status uly__check_group(const char *who, const uly_layer *l) {
+/* The layer's plan is as uly_plan_init made it, and its comm (not NULL) is the plan's SP
+   group. */
+static uly_status uly__check_group(const uly_layer *l) {
     const uly_plan *p = l->plan;
     const uly_comm *c = l->comm;
-    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "%slayer.plan is NULL or not as uly_plan_init made "
-               "it", who);
+    ULY__CHECK(uly__plan_ok(p), ULY_EINVAL, "layer.plan is NULL or not as uly_plan_init made it");
     ULY__CHECK(c->size == p->desc.sp_size && c->rank == p->sp_rank, ULY_EINVAL,
-               "%slayer.comm is rank %d of %d, the plan's sp rank %d of %d", who, c->rank,
-               c->size, p->sp_rank, p->desc.sp_size);
+               "layer.comm is rank %d of %d, the plan's sp rank %d of %d", c->rank, c->size,
+               p->sp_rank, p->desc.sp_size);
     return uly__ok();
 }
 
@@ -1878,7 +1916,7 @@ static uly_status uly__check_group(const char *who, const uly_layer *l) {
 static uly_status uly__check_layer(const uly_layer *l, int backward, int64_t *need) {
     ULY__CHECK(l, ULY_EINVAL, "layer is NULL");
     ULY__CHECK(l->comm, ULY_EINVAL, "layer.comm is NULL");
-    ULY__TRY(uly__check_group("", l));
+    ULY__TRY(uly__check_group(l));
     const uly_plan *p = l->plan;
     const uly_comm *c = l->comm;
     ULY__CHECK(c->alltoallv, ULY_EINVAL, "layer.comm->alltoallv is NULL");
@@ -1999,8 +2037,8 @@ static uly_status uly__begin(const uly_layer *l, int backward, void *saved, int6
     return l->attn.check ? l->attn.check(l->attn.ctx, &s->a, backward) : uly__ok();
 }
 
-ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
-                              uly_tensor out, void *saved, int64_t saved_bytes) {
+static uly_status uly__forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
+                               uly_tensor out, void *saved, int64_t saved_bytes) {
     static const char *const names[4] = {"q", "k", "v", "out"};
     const uly_tensor t[4] = {q, k, v, out};
     uly__pass s;
@@ -2012,8 +2050,9 @@ ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, ul
     return uly__exchange(l, ULY_X_O, s.h.o, out, &s.w);
 }
 
-ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *saved,
-                               int64_t saved_bytes, uly_tensor dq, uly_tensor dk, uly_tensor dv) {
+static uly_status uly__backward(const uly_layer *l, uly_tensor dout, const void *saved,
+                                int64_t saved_bytes, uly_tensor dq, uly_tensor dk,
+                                uly_tensor dv) {
     static const char *const names[4] = {"dout", "dq", "dk", "dv"};
     const uly_tensor t[4] = {dout, dq, dk, dv};
     uly__pass s;
@@ -2023,6 +2062,16 @@ ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *
     ULY__TRY(uly__exchange(l, ULY_X_O, s.w.grad.q, dq, &s.w));
     ULY__TRY(uly__exchange(l, ULY_X_DKV, s.w.grad.k, dk, &s.w));
     return uly__exchange(l, ULY_X_DKV, s.w.grad.v, dv, &s.w);
+}
+
+ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
+                              uly_tensor out, void *saved, int64_t saved_bytes) {
+    return uly__named("uly_forward", uly__forward(l, q, k, v, out, saved, saved_bytes));
+}
+
+ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *saved,
+                               int64_t saved_bytes, uly_tensor dq, uly_tensor dk, uly_tensor dv) {
+    return uly__named("uly_backward", uly__backward(l, dout, saved, saved_bytes, dq, dk, dv));
 }
 
 /* What every rank of a layer must hold alike, and how a message shows each value: the scale
@@ -2067,11 +2116,11 @@ static const char *uly__agreed_text(int f, int64_t v, char text[32]) {
    32-bit halves that a double holds exactly, with whether rank 0 could tell them; a second sum
    counts the ranks that differ or failed alone. Every rank that can call the communicator takes
    part in both, so all of them return alike. */
-ULYDEF uly_status uly_layer_agree(const uly_layer *l) {
-    ULY__CHECK(l && l->comm && l->comm->allreduce_sum, ULY_EINVAL, "layer_agree: %s is NULL",
+static uly_status uly__layer_agree(const uly_layer *l) {
+    ULY__CHECK(l && l->comm && l->comm->allreduce_sum, ULY_EINVAL, "%s is NULL",
                !l ? "layer" : !l->comm ? "layer.comm" : "layer.comm->allreduce_sum");
     const uly_comm *c = l->comm;
-    const uly_status alone = uly__check_group("layer_agree: ", l); /* what it can tell alone */
+    const uly_status alone = uly__check_group(l); /* what it can tell alone */
     int64_t mine[ULY__AGREED] = {0}, first = 0;
     double sum[2 * ULY__AGREED + 1] = {0}; /* rank 0's halves, then 1 if it had a layer */
     if (!alone.code) uly__agreed(l, mine);
@@ -2091,14 +2140,17 @@ ULYDEF uly_status uly_layer_agree(const uly_layer *l) {
     ULY__TRY(c->allreduce_sum(c->ctx, &differ, 1, NULL));
     char a[32], b[32];
     if (alone.code) return alone;
-    ULY__CHECK(rank0, ULY_EINVAL, "layer_agree: sp rank 0 has no valid layer (its message says "
-               "why)");
-    ULY__CHECK(f == ULY__AGREED, ULY_EINVAL, "layer_agree: %s is %s on this rank (sp rank %d), "
-               "%s on sp rank 0", uly__agreed_fields[f].name, uly__agreed_text(f, mine[f], a),
-               c->rank, uly__agreed_text(f, first, b));
-    ULY__CHECK(differ == 0, ULY_EINVAL, "layer_agree: %d of %d sp ranks run another layer than "
-               "sp rank 0 or have none (each of them says why)", (int)differ, c->size);
+    ULY__CHECK(rank0, ULY_EINVAL, "sp rank 0 has no valid layer (its message says why)");
+    ULY__CHECK(f == ULY__AGREED, ULY_EINVAL, "%s is %s on this rank (sp rank %d), %s on sp rank 0",
+               uly__agreed_fields[f].name, uly__agreed_text(f, mine[f], a), c->rank,
+               uly__agreed_text(f, first, b));
+    ULY__CHECK(differ == 0, ULY_EINVAL, "%d of %d sp ranks run another layer than sp rank 0 or "
+               "have none (each of them says why)", (int)differ, c->size);
     return uly__ok();
+}
+
+ULYDEF uly_status uly_layer_agree(const uly_layer *l) {
+    return uly__named("uly_layer_agree", uly__layer_agree(l));
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -2148,15 +2200,16 @@ ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, 
                                     int64_t v, int32_t ignore_index, double *loss_sum,
                                     int64_t *count, float *dlogits) {
     ULY__CHECK(((logits && labels) || !n) && loss_sum && count, ULY_EINVAL,
-               "cross_entropy: logits and labels (unless n is 0), loss_sum and count must not be "
-               "NULL");
-    ULY__CHECK(n >= 0 && v >= 1, ULY_EINVAL, "cross_entropy: n (%lld) must be >= 0 and v (%lld) "
-               ">= 1", ULY__LL(n), ULY__LL(v));
-    ULY__CHECK(uly__mul(n, v) >= 0, ULY_EOVERFLOW, "cross_entropy: n (%lld) x v (%lld) overflows "
-               "int64", ULY__LL(n), ULY__LL(v));
+               "uly_cross_entropy: logits and labels (unless n is 0), loss_sum and count must "
+               "not be NULL");
+    ULY__CHECK(n >= 0 && v >= 1, ULY_EINVAL,
+               "uly_cross_entropy: n (%lld) must be >= 0 and v (%lld) >= 1", ULY__LL(n),
+               ULY__LL(v));
+    ULY__CHECK(uly__mul(n, v) >= 0, ULY_EOVERFLOW,
+               "uly_cross_entropy: n (%lld) x v (%lld) overflows int64", ULY__LL(n), ULY__LL(v));
     for (int64_t i = 0; i < n; i++)
         ULY__CHECK(labels[i] == ignore_index || (labels[i] >= 0 && labels[i] < v), ULY_EINVAL,
-                   "cross_entropy: labels[%lld] (%d) is neither in [0, v (%lld)) nor "
+                   "uly_cross_entropy: labels[%lld] (%d) is neither in [0, v (%lld)) nor "
                    "ignore_index (%d)", ULY__LL(i), (int)labels[i], ULY__LL(v), (int)ignore_index);
     for (int64_t i = 0; i < n; i++) {
         const float *x = logits + i * v;
@@ -2178,18 +2231,22 @@ ULYDEF uly_status uly_cross_entropy(const float *logits, const int32_t *labels, 
     return uly__ok();
 }
 
-ULYDEF uly_status uly_loss_reduce(const uly_comm *c, double loss_sum, int64_t count,
-                                  double *mean, double *grad_scale) {
-    ULY__CHECK(c && c->allreduce_sum, ULY_EINVAL, "loss_reduce: %s is NULL",
+static uly_status uly__loss_reduce(const uly_comm *c, double loss_sum, int64_t count,
+                                   double *mean, double *grad_scale) {
+    ULY__CHECK(c && c->allreduce_sum, ULY_EINVAL, "%s is NULL",
                c ? "comm->allreduce_sum" : "comm");
-    ULY__CHECK(mean && grad_scale, ULY_EINVAL, "loss_reduce: mean and grad_scale must not be "
-               "NULL");
-    ULY__CHECK(count >= 0, ULY_EINVAL, "loss_reduce: count (%lld) must be >= 0", ULY__LL(count));
+    ULY__CHECK(mean && grad_scale, ULY_EINVAL, "mean and grad_scale must not be NULL");
+    ULY__CHECK(count >= 0, ULY_EINVAL, "count (%lld) must be >= 0", ULY__LL(count));
     double all[2] = {loss_sum, (double)count};
     ULY__TRY(c->allreduce_sum(c->ctx, all, 2, NULL));
     *mean = all[1] > 0 ? all[0] / all[1] : 0;
     *grad_scale = all[1] > 0 ? 1 / all[1] : 0;
     return uly__ok();
+}
+
+ULYDEF uly_status uly_loss_reduce(const uly_comm *c, double loss_sum, int64_t count,
+                                  double *mean, double *grad_scale) {
+    return uly__named("uly_loss_reduce", uly__loss_reduce(c, loss_sum, count, mean, grad_scale));
 }
 
 #ifdef __GNUC__

@@ -883,8 +883,8 @@ static void uly__dl_main(const uly_comm *host, void *user) {
     w->fn(&c, w->user);
 }
 
-ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
-                                     void *user) {
+static uly_status uly__cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
+                                      void *user) {
     uly__dl_world w;
     uly_status st = uly__ok();
     int made = 0;
@@ -893,11 +893,11 @@ ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, 
     ULY__CHECK(fn, ULY_EINVAL, "fn is NULL");
     ULY__CHECK(size >= 1 && size <= ULY_MAX_SP, ULY_EINVAL, "size (%d) must be in [1, %d]", size,
                ULY_MAX_SP);
-    ULY__TRY(uly__cuda(cudaGetDevice(&w.device), "uly_cuda_local_run: cudaGetDevice"));
+    ULY__TRY(uly__cuda(cudaGetDevice(&w.device), "cudaGetDevice"));
     for (; made < size && !st.code; made++) {
         cudaError_t e = cudaEventCreateWithFlags(&w.ready[made], cudaEventDisableTiming);
         if (!e) e = cudaEventCreateWithFlags(&w.done[made], cudaEventDisableTiming);
-        st = uly__cuda(e, "uly_cuda_local_run: cudaEventCreate");
+        st = uly__cuda(e, "cudaEventCreate");
     }
     if (!st.code) st = uly_local_run(size, uly__dl_main, &w);
     for (int r = 0; r < size && !st.code; r++) st = w.st[r];
@@ -906,6 +906,11 @@ ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, 
         if (w.done[r]) cudaEventDestroy(w.done[r]);
     }
     return st;
+}
+
+ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
+                                     void *user) {
+    return uly__named("uly_cuda_local_run", uly__cuda_local_run(size, fn, user));
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1059,13 +1064,12 @@ static uly_status uly__nccl_barrier(void *ctx) {
     return uly_nccl_wait(n->comm, s, n->timeout_s);
 }
 
-ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
-    ULY__CHECK(n && n->comm && out, ULY_EINVAL, "uly_nccl_comm: %s is NULL",
-               !n ? "n" : !out ? "out" : "n->comm");
+static uly_status uly__nccl_comm(uly_nccl *n, uly_comm *out) {
+    ULY__CHECK(n && n->comm && out, ULY_EINVAL, "%s is NULL", !n ? "n" : !out ? "out" : "n->comm");
     memset(out, 0, sizeof *out);
     /* A non-blocking communicator may still be joining its peers (ncclCommInitRankConfig, a
        split): wait until it is ready. */
-    ULY__TRY(uly__nccl_ready(n->comm, ncclInProgress, n->timeout_s, "uly_nccl_comm"));
+    ULY__TRY(uly__nccl_ready(n->comm, ncclInProgress, n->timeout_s, "n->comm's init"));
     ULY__TRY(uly__nccl(ncclCommCount(n->comm, &out->size), n->comm, "ncclCommCount"));
     ULY__TRY(uly__nccl(ncclCommUserRank(n->comm, &out->rank), n->comm, "ncclCommUserRank"));
     out->alltoallv = uly__nccl_alltoallv;
@@ -1083,24 +1087,32 @@ ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
     return uly__ok();
 }
 
-ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s, ncclComm_t *sp,
-                                 ncclComm_t *dp) {
+ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out) {
+    return uly__named("uly_nccl_comm", uly__nccl_comm(n, out));
+}
+
+static uly_status uly__nccl_split(ncclComm_t world, int sp_size, double timeout_s,
+                                  ncclComm_t *sp, ncclComm_t *dp) {
     int size = 0, rank = 0;
-    ULY__CHECK(world && sp && dp, ULY_EINVAL, "uly_nccl_split: %s is NULL",
-               !world ? "world" : !sp ? "sp" : "dp");
+    ULY__CHECK(world && sp && dp, ULY_EINVAL, "%s is NULL", !world ? "world" : !sp ? "sp" : "dp");
     *sp = *dp = NULL;
     /* A non-blocking world may still be joining its peers (ncclCommInitRankConfig). */
-    ULY__TRY(uly__nccl_ready(world, ncclInProgress, timeout_s, "uly_nccl_split"));
-    ULY__TRY(uly__nccl(ncclCommCount(world, &size), world, "uly_nccl_split: ncclCommCount"));
-    ULY__TRY(uly__nccl(ncclCommUserRank(world, &rank), world, "uly_nccl_split: ncclCommUserRank"));
-    ULY__CHECK(sp_size >= 1 && size % sp_size == 0, ULY_EINVAL, "uly_nccl_split: sp_size (%d) must "
-               "divide the world's size (%d)", sp_size, size);
+    ULY__TRY(uly__nccl_ready(world, ncclInProgress, timeout_s, "world's init"));
+    ULY__TRY(uly__nccl(ncclCommCount(world, &size), world, "ncclCommCount"));
+    ULY__TRY(uly__nccl(ncclCommUserRank(world, &rank), world, "ncclCommUserRank"));
+    ULY__CHECK(sp_size >= 1 && size % sp_size == 0, ULY_EINVAL,
+               "sp_size (%d) must divide the world's size (%d)", sp_size, size);
     /* A non-blocking world's splits are in progress when they return: world must be ready for
        the next call; the new communicators are waited for by uly_nccl_comm. */
     ULY__TRY(uly__nccl_ready(world, ncclCommSplit(world, rank / sp_size, rank % sp_size, sp, NULL),
-                             timeout_s, "uly_nccl_split: ncclCommSplit (SP)"));
+                             timeout_s, "ncclCommSplit (SP)"));
     return uly__nccl_ready(world, ncclCommSplit(world, rank % sp_size, rank / sp_size, dp, NULL),
-                           timeout_s, "uly_nccl_split: ncclCommSplit (DP)");
+                           timeout_s, "ncclCommSplit (DP)");
+}
+
+ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s, ncclComm_t *sp,
+                                 ncclComm_t *dp) {
+    return uly__named("uly_nccl_split", uly__nccl_split(world, sp_size, timeout_s, sp, dp));
 }
 
 ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s) {
@@ -1240,7 +1252,7 @@ static int64_t uly__ref_workspace(void *ctx, const uly_attn_args *a) {
 
 /* The contract's checks, then the parameters every kernel reads. */
 static uly_status uly__ref_params_of(const uly_attn_args *a, int backward, uly__ref_params *p) {
-    ULY__TRY(uly_attn_check(a, backward));
+    ULY__TRY(uly__attn_check(a, backward));
     ULY__CHECK(a->q.d <= ULY__REF_MAX_D, ULY_EUNSUPPORTED, "reference attention: q.d (%lld) > "
                "%d", ULY__LL(a->q.d), ULY__REF_MAX_D);
     ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535 && a->k.h <= 65535, ULY_EUNSUPPORTED,
@@ -2170,7 +2182,7 @@ static_assert(uly__fa_z_rows_ok<64>() && uly__fa_z_rows_ok<128>(), "a tile below
    varlen, shared memory), then *p: the parameters every kernel reads. */
 static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, int backward,
                                 uly__fa_params *p) {
-    ULY__TRY(uly_attn_check(a, backward));
+    ULY__TRY(uly__attn_check(a, backward));
     ULY__CHECK(a->q.dtype == ULY_BF16 || a->q.dtype == ULY_F16, ULY_EUNSUPPORTED,
                "dtype %s: the flash kernels take bf16 or fp16", uly__dtype_name(a->q.dtype));
     ULY__CHECK(a->q.d == 64 || a->q.d == 128, ULY_EUNSUPPORTED,
@@ -2331,21 +2343,23 @@ ULYDEF uly_attn uly_flash_attention(void) {
     return at;
 }
 
-ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v) {
+static uly_status uly__fa_varlen(const uly_attn_args *a, const uly_varlen *v, int backward) {
     ULY__CHECK(v, ULY_EINVAL, "varlen: the uly_varlen is NULL");
-    return uly__fa_run(a, v, 0);
+    return uly__fa_run(a, v, backward);
+}
+ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v) {
+    return uly__named("uly_flash_varlen_fwd", uly__fa_varlen(a, v, 0));
 }
 ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen *v) {
-    ULY__CHECK(v, ULY_EINVAL, "varlen: the uly_varlen is NULL");
-    return uly__fa_run(a, v, 1);
+    return uly__named("uly_flash_varlen_bwd", uly__fa_varlen(a, v, 1));
 }
 
 /* The varlen calls as a uly_attn: ctx is the uly_varlen. */
 static uly_status uly__fa_varlen_fwd(void *ctx, const uly_attn_args *a) {
-    return uly_flash_varlen_fwd(a, (const uly_varlen *)ctx);
+    return uly__fa_varlen(a, (const uly_varlen *)ctx, 0);
 }
 static uly_status uly__fa_varlen_bwd(void *ctx, const uly_attn_args *a) {
-    return uly_flash_varlen_bwd(a, (const uly_varlen *)ctx);
+    return uly__fa_varlen(a, (const uly_varlen *)ctx, 1);
 }
 static uly_status uly__fa_varlen_check(void *ctx, const uly_attn_args *a, int backward) {
     uly__fa_params p;
@@ -2576,7 +2590,7 @@ static uly__lt_ws uly__lt_carve(const uly_attn_args *a) {
 
 /* The contract, and what the GEMMs and the Dsum pre-pass (the flash one) add to it. */
 static uly_status uly__lt_check(void *ctx, const uly_attn_args *a, int backward) {
-    ULY__TRY(uly_attn_check(a, backward));
+    ULY__TRY(uly__attn_check(a, backward));
     ULY__CHECK(a->q.dtype == ULY_BF16 || a->q.dtype == ULY_F16, ULY_EUNSUPPORTED,
                "dtype %s: the cuBLASLt attention takes bf16 or fp16", uly__dtype_name(a->q.dtype));
     ULY__CHECK(a->q.d <= 256 && a->q.d % 8 == 0, ULY_EUNSUPPORTED,

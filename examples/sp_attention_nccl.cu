@@ -45,9 +45,10 @@ static void nccl_ok(ncclResult_t r, const char *what) {
     MPI_Abort(MPI_COMM_WORLD, 1);
 }
 
-static void ulysses_ok(uly_status st, const char *what) {
+/* The library's messages name the call that failed; `during` says what the example was doing. */
+static void ulysses_ok(uly_status st, const char *during) {
     if (!st.code) return;
-    fprintf(stderr, "%s: %s\n", what, st.msg);
+    fprintf(stderr, "sp_attention_nccl: %s: %s\n", during, st.msg);
     MPI_Abort(MPI_COMM_WORLD, 1);
 }
 
@@ -125,7 +126,7 @@ static void layer_dkv(const uly_plan *plan, const uly_attn *attn, uly_attn_args 
                                                                      : __float2bfloat16_rn(0.f);
         }
         CUDA_OK(cudaMemcpy(a.dout.data, masked, (size_t)nq * 2, cudaMemcpyHostToDevice));
-        ulysses_ok(attn->bwd(attn->ctx, &a), "a rank's share");
+        ulysses_ok(attn->bwd(attn->ctx, &a), "a rank's share of dK, dV");
         CUDA_OK(cudaStreamSynchronize((cudaStream_t)a.stream));
         float *share_k = to_host(&a.dk), *share_v = to_host(&a.dv);
         for (int64_t i = 0; i < nkv; i++) {
@@ -175,11 +176,11 @@ int main(int argc, char **argv) {
     if (rank == 0) nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId");
     MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
     nccl_ok(ncclCommInitRank(&all, world, id, rank), "ncclCommInitRank");
-    ulysses_ok(uly_nccl_split(all, P, 0, &sp, &dp), "uly_nccl_split");
+    ulysses_ok(uly_nccl_split(all, P, 0, &sp, &dp), "the communicators");
     uly_nccl nccl = {sp, NULL, 60.0, NULL}; /* waits give up after a minute; no own stream */
     CUDA_OK(cudaMalloc((void **)&nccl.scratch, ULY_NCCL_SCRATCH * sizeof(double)));
     uly_comm comm;
-    ulysses_ok(uly_nccl_comm(&nccl, &comm), "uly_nccl_comm");
+    ulysses_ok(uly_nccl_comm(&nccl, &comm), "the communicators");
 
     uly_plan plan;
     uly_plan_desc desc;
@@ -187,7 +188,7 @@ int main(int argc, char **argv) {
     desc.world_size = world, desc.rank = rank, desc.sp_size = P;
     desc.batch = B, desc.seq_len = S, desc.n_heads = H, desc.n_kv_heads = HKV, desc.head_dim = D;
     desc.dtype = ULY_BF16;
-    ulysses_ok(uly_plan_init(&plan, &desc), "uly_plan_init");
+    ulysses_ok(uly_plan_init(&plan, &desc), "the plan");
     const uly_range tok = uly_tokens(&plan, plan.sp_rank);
 
     /* The full sample, on every rank: q, k, v fused [B, S, H + 2 HKV, D], and dout. */
@@ -226,10 +227,10 @@ int main(int argc, char **argv) {
     CUDA_OK(cudaMalloc(&L.workspace, (size_t)L.workspace_bytes));
     const int64_t nsaved = uly_saved_bytes(&plan);
     CUDA_OK(cudaMalloc(&saved, (size_t)nsaved));
-    ulysses_ok(uly_layer_agree(&L), "uly_layer_agree"); /* every rank planned the same layer */
-    ulysses_ok(uly_forward(&L, q_r, k_r, v_r, out_r, saved, nsaved), "uly_forward");
-    ulysses_ok(uly_backward(&L, dout_r, saved, nsaved, dq_r, dk_r, dv_r), "uly_backward");
-    ulysses_ok(uly_nccl_wait(sp, stream, 60.0), "the layer's stream");
+    ulysses_ok(uly_layer_agree(&L), "the SP layer"); /* every rank planned the same layer */
+    ulysses_ok(uly_forward(&L, q_r, k_r, v_r, out_r, saved, nsaved), "the SP layer");
+    ulysses_ok(uly_backward(&L, dout_r, saved, nsaved, dq_r, dk_r, dv_r), "the SP layer");
+    ulysses_ok(uly_nccl_wait(sp, stream, 60.0), "the SP layer");
 
     /* The same flash attention, unsharded, on this GPU. */
     uly_attn_args a;
@@ -239,8 +240,8 @@ int main(int argc, char **argv) {
     CUDA_OK(cudaMalloc((void **)&a.lse, (size_t)B * H * S * sizeof(float)));
     a.workspace_bytes = L.attn.workspace(L.attn.ctx, &a);
     CUDA_OK(cudaMalloc(&a.workspace, (size_t)a.workspace_bytes));
-    ulysses_ok(L.attn.fwd(L.attn.ctx, &a), "unsharded forward");
-    ulysses_ok(L.attn.bwd(L.attn.ctx, &a), "unsharded backward");
+    ulysses_ok(L.attn.fwd(L.attn.ctx, &a), "the unsharded forward");
+    ulysses_ok(L.attn.bwd(L.attn.ctx, &a), "the unsharded backward");
     CUDA_OK(cudaStreamSynchronize(stream));
 
     /* The flash kernels run per (batch, head, query block) and per (batch, kv head, key block),

@@ -851,7 +851,8 @@ TEST(device_local_run_runs_every_rank_or_none) {
         int ran = 0;
         uly_emu_fail_set_device(failures);
         const uly_status st = uly_cuda_local_run(3, count_rank, &ran);
-        CHECK(st.code == ULY_ECUDA && strstr(st.msg, "cudaSetDevice") && ran == 0,
+        CHECK(st.code == ULY_ECUDA && !strncmp(st.msg, "uly_cuda_local_run: ", 20) &&
+                  strstr(st.msg, "cudaSetDevice") && ran == 0,
               "%d failing: '%s', %d ranks ran", failures, st.msg, ran);
     }
     uly_emu_fail_set_device(0);

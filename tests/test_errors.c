@@ -7,13 +7,20 @@
 #include "ref64.h"
 #include "attn_call.h"
 
-/* A message is a NUL-terminated string within uly_status.msg that contains `field`. */
-static void check_status(uly_status st, uly_code code, const char *field, const char *what) {
-    int terminated = memchr(st.msg, 0, sizeof st.msg) != NULL;
-    CHECK(st.code == code, "%s: code %d, want %d (%s)", what, (int)st.code, (int)code,
-          terminated ? st.msg : "<unterminated>");
-    CHECK(terminated && strstr(st.msg, field), "%s: message \"%s\" does not name %s", what,
-          terminated ? st.msg : "<unterminated>", field);
+/* A message is a NUL-terminated string within uly_status.msg that contains `field` and starts
+   with the name of the function called, fn, once ("uly_forward: ..."); the functions of a
+   layer's parts (fn NULL) leave that to their caller. A success has no message. */
+static void check_status(const char *fn, uly_status st, uly_code code, const char *field,
+                         const char *what) {
+    const int terminated = memchr(st.msg, 0, sizeof st.msg) != NULL;
+    const char *msg = terminated ? st.msg : "<unterminated>";
+    const size_t n = fn ? strlen(fn) : 0;
+    CHECK(st.code == code, "%s: code %d, want %d (%s)", what, (int)st.code, (int)code, msg);
+    CHECK(terminated && strstr(st.msg, field), "%s: message \"%s\" does not name %s", what, msg,
+          field);
+    CHECK(!fn || !code || (!strncmp(msg, fn, n) && !strncmp(msg + n, ": ", 2) &&
+                  strncmp(msg + n + 2, fn, n)),
+          "%s: message \"%s\" does not start with \"%s: \" once", what, msg, fn ? fn : "");
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -91,7 +98,7 @@ TEST(plan_init_rejects_each_invalid_desc_with_its_code_and_field) {
         set_field(&d, t->f1, t->v1);
         set_field(&d, t->f2, t->v2);
         uly_plan p;
-        check_status(uly_plan_init(&p, &d), t->code, t->field, t->what);
+        check_status("uly_plan_init", uly_plan_init(&p, &d), t->code, t->field, t->what);
     }
 }
 
@@ -108,8 +115,8 @@ TEST(plan_init_accepts_the_base_desc_of_the_table_and_max_bytes_at_the_limit) {
 TEST(plan_init_rejects_null_arguments) {
     uly_plan p;
     uly_plan_desc d = good_desc();
-    check_status(uly_plan_init(&p, NULL), ULY_EINVAL, "desc", "desc NULL");
-    check_status(uly_plan_init(NULL, &d), ULY_EINVAL, "p is NULL", "plan NULL");
+    check_status("uly_plan_init", uly_plan_init(&p, NULL), ULY_EINVAL, "desc", "desc NULL");
+    check_status("uly_plan_init", uly_plan_init(NULL, &d), ULY_EINVAL, "p is NULL", "plan NULL");
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -121,12 +128,13 @@ TEST(exchange_counts_reject_a_bad_plan_exchange_or_array) {
     int64_t c[4][ULY_MAX_SP];
     CHECK(uly_plan_init(&p, &d).code == ULY_OK, "the base plan");
     memset(&none, 0, sizeof none);
-    check_status(uly_exchange_counts(&none, ULY_X_Q, c[0], c[1], c[2], c[3]), ULY_EINVAL, "plan",
-                 "a plan not from uly_plan_init");
-    check_status(uly_exchange_counts(&p, (uly_xchg)7, c[0], c[1], c[2], c[3]), ULY_EINVAL,
-                 "x (7)", "exchange 7");
-    check_status(uly_exchange_counts(&p, ULY_X_KV, c[0], NULL, c[2], c[3]), ULY_EINVAL, "NULL",
-                 "send_offs NULL");
+    check_status("uly_exchange_counts", uly_exchange_counts(&none, ULY_X_Q, c[0], c[1], c[2], c[3]),
+                 ULY_EINVAL, "plan", "a plan not from uly_plan_init");
+    check_status("uly_exchange_counts",
+                 uly_exchange_counts(&p, (uly_xchg)7, c[0], c[1], c[2], c[3]), ULY_EINVAL, "x (7)",
+                 "exchange 7");
+    check_status("uly_exchange_counts", uly_exchange_counts(&p, ULY_X_KV, c[0], NULL, c[2], c[3]),
+                 ULY_EINVAL, "NULL", "send_offs NULL");
     CHECK(uly_send_bytes(&p, (uly_xchg)7) == 0 && uly_recv_bytes(&p, (uly_xchg)-1) == 0,
           "bytes of a bad exchange: %lld, %lld", (long long)uly_send_bytes(&p, (uly_xchg)7),
           (long long)uly_recv_bytes(&p, (uly_xchg)-1));
@@ -139,11 +147,16 @@ TEST(positions_and_shards_reject_a_bad_plan_or_a_null_buffer) {
     CHECK(uly_plan_init(&p, &d).code == ULY_OK, "the base plan");
     memset(&none, 0, sizeof none);
     memset(full, 0, sizeof full);
-    check_status(uly_positions(&none, local), ULY_EINVAL, "plan", "positions, bad plan");
-    check_status(uly_positions(&p, NULL), ULY_EINVAL, "NULL", "positions, pos NULL");
-    check_status(uly_shard_tokens(&p, NULL, local), ULY_EINVAL, "NULL", "tokens, full NULL");
-    check_status(uly_shard_tokens(NULL, full, local), ULY_EINVAL, "plan", "tokens, plan NULL");
-    check_status(uly_shard_labels(&p, full, -100, NULL), ULY_EINVAL, "NULL", "labels NULL");
+    check_status("uly_positions", uly_positions(&none, local), ULY_EINVAL, "plan",
+                 "positions, bad plan");
+    check_status("uly_positions", uly_positions(&p, NULL), ULY_EINVAL, "NULL",
+                 "positions, pos NULL");
+    check_status("uly_shard_tokens", uly_shard_tokens(&p, NULL, local), ULY_EINVAL, "NULL",
+                 "tokens, full NULL");
+    check_status("uly_shard_tokens", uly_shard_tokens(NULL, full, local), ULY_EINVAL, "plan",
+                 "tokens, plan NULL");
+    check_status("uly_shard_labels", uly_shard_labels(&p, full, -100, NULL), ULY_EINVAL, "NULL",
+                 "labels NULL");
 }
 
 TEST(positions_beyond_int32_are_an_error_not_wrapped) {
@@ -155,15 +168,15 @@ TEST(positions_beyond_int32_are_an_error_not_wrapped) {
     int32_t pos[1] = {7};
     uly_status st = uly_plan_init(&p, &d);
     CHECK(st.code == ULY_OK, "%s", st.msg);
-    check_status(uly_positions(&p, pos), ULY_EOVERFLOW, "int32", "S = 2^32");
+    check_status("uly_positions", uly_positions(&p, pos), ULY_EOVERFLOW, "int32", "S = 2^32");
     CHECK(pos[0] == 7, "pos[0] was written: %d", (int)pos[0]);
 }
 
 TEST(qkv_views_reject_a_null_output) {
     float buf[6 * 4];
     uly_tensor q, k;
-    check_status(uly_qkv_views(buf, ULY_F32, 1, 1, 4, 1, 4, &q, &k, NULL), ULY_EINVAL,
-                 "v is NULL", "v NULL");
+    check_status("uly_qkv_views", uly_qkv_views(buf, ULY_F32, 1, 1, 4, 1, 4, &q, &k, NULL),
+                 ULY_EINVAL, "v is NULL", "v NULL");
 }
 
 TEST(a_view_whose_shape_overflows_int64_is_eoverflow) {
@@ -173,18 +186,21 @@ TEST(a_view_whose_shape_overflows_int64_is_eoverflow) {
     a.q = a.o = uly_dense(buf, ULY_F32, 1, (int64_t)1 << 40, (int64_t)1 << 20, 1 << 10);
     a.k = a.v = uly_dense(buf, ULY_F32, 1, 4, 1, 8);
     a.lse = buf;
-    check_status(uly_attn_check(&a, 0), ULY_EOVERFLOW, "overflows int64", "q of 2^70 elements");
+    check_status("uly_attn_check", uly_attn_check(&a, 0), ULY_EOVERFLOW, "overflows int64",
+                 "q of 2^70 elements");
 }
 
 TEST(qkv_views_reject_negative_counts_and_shapes_that_overflow_int64) {
     float buf[6 * 4];
     uly_tensor q, k, v;
-    check_status(uly_qkv_views(buf, ULY_F32, 1, 1, -1, 1, 4, &q, &k, &v), ULY_EINVAL, "nq",
-                 "nq -1");
-    check_status(uly_qkv_views(buf, ULY_F32, 1, (int64_t)1 << 40, (int64_t)1 << 20, 1, 1 << 10,
-                               &q, &k, &v),
-                 ULY_EOVERFLOW, "overflows", "2^40 tokens x 2^20 heads x 2^10");
-    check_status(uly_qkv_views(buf, ULY_F32, (int64_t)1 << 40, 1, 1, 0, 1 << 30, &q, &k, &v),
+    check_status("uly_qkv_views", uly_qkv_views(buf, ULY_F32, 1, 1, -1, 1, 4, &q, &k, &v),
+                 ULY_EINVAL, "nq", "nq -1");
+    check_status(
+        "uly_qkv_views",
+        uly_qkv_views(buf, ULY_F32, 1, (int64_t)1 << 40, (int64_t)1 << 20, 1, 1 << 10, &q, &k, &v),
+        ULY_EOVERFLOW, "overflows", "2^40 tokens x 2^20 heads x 2^10");
+    check_status("uly_qkv_views",
+                 uly_qkv_views(buf, ULY_F32, (int64_t)1 << 40, 1, 1, 0, 1 << 30, &q, &k, &v),
                  ULY_EOVERFLOW, "overflows", "2^40 batches of 2^30 elements");
 }
 
@@ -417,7 +433,9 @@ TEST(forward_and_backward_reject_each_invalid_argument_before_any_exchange) {
         fixture *f = (fixture *)malloc(sizeof *f);
         fixture_init(f);
         stub_calls = 0;
-        check_status(layer_table[i].call(f), layer_table[i].code, layer_table[i].field,
+        const char *fn =
+            strncmp(layer_table[i].what, "forward", 7) ? "uly_backward" : "uly_forward";
+        check_status(fn, layer_table[i].call(f), layer_table[i].code, layer_table[i].field,
                      layer_table[i].what);
         CHECK(stub_calls == 0, "%s: the communicator was called %d times", layer_table[i].what,
               stub_calls);
@@ -432,7 +450,7 @@ TEST(cpu_layout_rejects_a_plan_changed_after_init) {
     fixture_init(f);
     f->plan.desc.n_kv_heads = 1;
     uly_layout cpu = uly_cpu_layout();
-    check_status(cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, f->tk, f->ws, NULL), ULY_EINVAL,
+    check_status(NULL, cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, f->tk, f->ws, NULL), ULY_EINVAL,
                  "plan is NULL or not as uly_plan_init made it", "pack with n_kv_heads changed");
     fixture_free(f);
     free(f);
@@ -445,12 +463,12 @@ TEST(cpu_layout_rejects_pointers_off_the_element_size) {
     uly_layout cpu = uly_cpu_layout();
     uly_tensor odd = f->tk;
     odd.data = (char *)odd.data + 2;
-    check_status(cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, odd, f->ws, NULL), ULY_EINVAL,
+    check_status(NULL, cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, odd, f->ws, NULL), ULY_EINVAL,
                  "is not aligned to its element size (4 bytes)", "a tensor 2 bytes in");
-    check_status(cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, f->tk, (char *)f->ws + 2, NULL),
+    check_status(NULL, cpu.pack(cpu.ctx, &f->plan, ULY_X_KV, f->tk, (char *)f->ws + 2, NULL),
                  ULY_EINVAL, "is NULL or not aligned to the element size (4 bytes)",
                  "a send buffer 2 bytes in");
-    check_status(cpu.unpack(cpu.ctx, &f->plan, ULY_X_O, (char *)f->ws + 2, f->to, NULL),
+    check_status(NULL, cpu.unpack(cpu.ctx, &f->plan, ULY_X_O, (char *)f->ws + 2, f->to, NULL),
                  ULY_EINVAL, "unpack O: recv", "a recv buffer 2 bytes in");
     fixture_free(f);
     free(f);
@@ -471,7 +489,8 @@ TEST(alltoall_only_where_every_block_has_one_size) {
         fixture_init_len(f, S);
         f->comm.alltoall = stub_alltoall;
         stub_calls = stub_alltoall_calls = 0;
-        check_status(fwd(f), ULY_ECOMM, "stub communicator called", "forward, stub comm");
+        check_status("uly_forward", fwd(f), ULY_ECOMM, "stub communicator called",
+                     "forward, stub comm");
         CHECK(stub_alltoall_calls == (S == FS) && stub_calls == 1,
               "S %lld: alltoall called %d times, alltoallv %d; want %d, 1", (long long)S,
               stub_alltoall_calls, stub_calls - stub_alltoall_calls, S == FS);
@@ -513,7 +532,34 @@ TEST(a_valid_call_reaches_the_communicator_and_returns_its_error) {
     stub_calls = 0;
     uly_status st = fwd(f);
     CHECK(stub_calls >= 1, "the communicator was not called");
-    check_status(st, ULY_ECOMM, "stub communicator called", "forward with a failing comm");
+    check_status("uly_forward", st, ULY_ECOMM, "stub communicator called",
+                 "forward with a failing comm");
+    fixture_free(f);
+    free(f);
+}
+
+/* A communicator whose message fills uly_status.msg: letters a to z over and over. */
+static uly_status long_a2a(void *ctx, const void *s, const int64_t *sc, const int64_t *so,
+                           void *r, const int64_t *rc, const int64_t *ro, void *stream) {
+    uly_status st;
+    (void)ctx, (void)s, (void)sc, (void)so, (void)r, (void)rc, (void)ro, (void)stream;
+    st.code = ULY_ECOMM;
+    for (size_t i = 0; i + 1 < sizeof st.msg; i++) st.msg[i] = (char)('a' + i % 26);
+    st.msg[sizeof st.msg - 1] = 0;
+    return st;
+}
+
+TEST(a_full_message_from_inside_keeps_its_start_after_the_name_of_the_call) {
+    fixture *f = (fixture *)malloc(sizeof *f);
+    fixture_init(f);
+    f->comm.alltoallv = long_a2a;
+    const uly_status st = fwd(f);
+    const size_t cap = sizeof st.msg - 1, n = strlen("uly_forward: ");
+    int letters = 1;
+    for (size_t i = n; i < cap; i++) letters &= st.msg[i] == (char)('a' + (i - n) % 26);
+    CHECK(st.code == ULY_ECOMM && memchr(st.msg, 0, sizeof st.msg) && strlen(st.msg) == cap &&
+              !strncmp(st.msg, "uly_forward: ", n) && letters,
+          "code %d, message \"%.*s\"", (int)st.code, (int)cap, st.msg);
     fixture_free(f);
     free(f);
 }
@@ -586,14 +632,14 @@ TEST(a_plan_edited_into_overflowing_sizes_is_refused) {
     CHECK(uly_plan_init(&p, &d).code == ULY_OK, "the base plan");
     p.desc.seq_len = (int64_t)1 << 60;
     int64_t c[4][ULY_MAX_SP];
-    check_status(uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]), ULY_EINVAL, "plan",
-                 "seq_len 2^60 after init");
+    check_status("uly_exchange_counts", uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]),
+                 ULY_EINVAL, "plan", "seq_len 2^60 after init");
     CHECK(uly_saved_bytes(&p) == 0 && uly_send_bytes(&p, ULY_X_Q) == 0, "sized as %lld, %lld",
           (long long)uly_saved_bytes(&p), (long long)uly_send_bytes(&p, ULY_X_Q));
     CHECK(uly_plan_init(&p, &d).code == ULY_OK, "the base plan");
     p.desc.n_heads = p.desc.n_kv_heads = (int64_t)1 << 62, p.group = 1;
-    check_status(uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]), ULY_EINVAL, "plan",
-                 "2^62 heads after init");
+    check_status("uly_exchange_counts", uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]),
+                 ULY_EINVAL, "plan", "2^62 heads after init");
 }
 
 /* One rank, f32, S = 5 * 2^37 and D = 2^20 after init: the fused q, k, v (3 * 5 * 2^59 bytes)
@@ -611,15 +657,16 @@ TEST(a_plan_edited_after_init_is_refused_even_where_its_fused_buffer_fits) {
         CHECK(uly_plan_init(&p, edit ? &d : &one).code == ULY_OK, "the base plan");
         if (edit) p.desc.seq_len = 17;
         else p.desc.seq_len = (int64_t)5 << 37, p.desc.head_dim = (int64_t)1 << 20;
-        check_status(uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]), ULY_EINVAL,
-                     "plan", edit ? "S 16 -> 17" : "S 5 * 2^37, D 2^20");
+        check_status("uly_exchange_counts",
+                     uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]), ULY_EINVAL, "plan",
+                     edit ? "S 16 -> 17" : "S 5 * 2^37, D 2^20");
         CHECK(uly_saved_bytes(&p) == 0 && uly_saved_lse(&p, saved) == NULL &&
                   uly_tokens(&p, 0).count == 0,
               "edit %d: saved_bytes %lld, lse at saved %+lld", edit,
               (long long)uly_saved_bytes(&p),
               (long long)((char *)uly_saved_lse(&p, saved) - saved));
     }
-    check_status(uly_plan_init(&p, &p.desc), ULY_OK, "", "S 17 made anew");
+    check_status("uly_plan_init", uly_plan_init(&p, &p.desc), ULY_OK, "", "S 17 made anew");
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -706,8 +753,8 @@ TEST(attn_check_rejects_each_broken_contract_rule_with_its_field) {
     for (int i = 0; i < (int)(sizeof attn_table / sizeof *attn_table); i++) {
         uly_attn_args a = good_args();
         break_args(&a, i);
-        check_status(uly_attn_check(&a, attn_table[i].backward), attn_table[i].code,
-                     attn_table[i].field, attn_table[i].what);
+        check_status("uly_attn_check", uly_attn_check(&a, attn_table[i].backward),
+                     attn_table[i].code, attn_table[i].field, attn_table[i].what);
     }
 }
 
@@ -715,8 +762,8 @@ TEST(cpu_attention_refuses_a_broken_contract_instead_of_reading_out_of_bounds) {
     uly_attn attn = uly_cpu_attention();
     uly_attn_args a = good_args();
     a.k.h = 3, a.v.h = 3;
-    check_status(attn.fwd(attn.ctx, &a), ULY_EINVAL, "k.h", "fwd with k.h = 3");
-    check_status(attn.bwd(attn.ctx, &a), ULY_EINVAL, "k.h", "bwd with k.h = 3");
+    check_status(NULL, attn.fwd(attn.ctx, &a), ULY_EINVAL, "k.h", "fwd with k.h = 3");
+    check_status(NULL, attn.bwd(attn.ctx, &a), ULY_EINVAL, "k.h", "bwd with k.h = 3");
 }
 
 /* A workspace sized for other args (here: fewer keys) is refused, not overrun. */
@@ -733,8 +780,10 @@ TEST(cpu_attention_refuses_a_workspace_smaller_than_its_args_need) {
     a.workspace = malloc((size_t)a.workspace_bytes);
     CHECK(a.workspace_bytes < attn.workspace(attn.ctx, &a), "sizes %lld, %lld",
           (long long)a.workspace_bytes, (long long)attn.workspace(attn.ctx, &a));
-    check_status(attn.fwd(attn.ctx, &a), ULY_EINVAL, "workspace_bytes", "fwd, 4 keys' workspace");
-    check_status(attn.bwd(attn.ctx, &a), ULY_EINVAL, "workspace_bytes", "bwd, 4 keys' workspace");
+    check_status(NULL, attn.fwd(attn.ctx, &a), ULY_EINVAL, "workspace_bytes",
+                 "fwd, 4 keys' workspace");
+    check_status(NULL, attn.bwd(attn.ctx, &a), ULY_EINVAL, "workspace_bytes",
+                 "bwd, 4 keys' workspace");
     free(a.workspace);
 }
 
@@ -832,10 +881,11 @@ TEST(layer_agree_fails_on_every_rank_and_each_odd_one_says_why) {
             if (!row->mine) {
                 CHECK(got.code == ULY_OK, "%s: rank %d: %s", row->what, r, got.msg);
             } else if (row->odd >> r & 1) {
-                check_status(got, ULY_EINVAL, row->mine, row->what);
-                if (row->first) check_status(got, ULY_EINVAL, row->first, row->what);
+                check_status("uly_layer_agree", got, ULY_EINVAL, row->mine, row->what);
+                if (row->first)
+                    check_status("uly_layer_agree", got, ULY_EINVAL, row->first, row->what);
             } else {
-                check_status(got, ULY_EINVAL, row->count, row->what);
+                check_status("uly_layer_agree", got, ULY_EINVAL, row->count, row->what);
             }
         }
     }
@@ -861,9 +911,10 @@ TEST(layer_agree_without_a_communicator_to_call_returns_at_once) {
     uly_status st[2][3];
     CHECK(uly_local_run(2, agree_alone, st).code == ULY_OK, "local_run");
     for (int r = 0; r < 2; r++) {
-        check_status(st[r][0], ULY_EINVAL, "layer is NULL", "layer NULL");
-        check_status(st[r][1], ULY_EINVAL, "layer.comm is NULL", "comm NULL");
-        check_status(st[r][2], ULY_EINVAL, "allreduce_sum is NULL", "allreduce_sum NULL");
+        check_status("uly_layer_agree", st[r][0], ULY_EINVAL, "layer is NULL", "layer NULL");
+        check_status("uly_layer_agree", st[r][1], ULY_EINVAL, "layer.comm is NULL", "comm NULL");
+        check_status("uly_layer_agree", st[r][2], ULY_EINVAL, "allreduce_sum is NULL",
+                     "allreduce_sum NULL");
     }
 }
 
@@ -875,9 +926,11 @@ TEST(cross_entropy_rejects_a_label_out_of_the_vocabulary) {
     int32_t high[3] = {0, 4, 1}, low[3] = {0, -7, 1};
     double sum = 0;
     int64_t count = 0;
-    check_status(uly_cross_entropy(logits, high, 3, 4, -100, &sum, &count, NULL), ULY_EINVAL,
+    check_status("uly_cross_entropy",
+                 uly_cross_entropy(logits, high, 3, 4, -100, &sum, &count, NULL), ULY_EINVAL,
                  "label", "label 4 with v = 4");
-    check_status(uly_cross_entropy(logits, low, 3, 4, -100, &sum, &count, NULL), ULY_EINVAL,
+    check_status("uly_cross_entropy",
+                 uly_cross_entropy(logits, low, 3, 4, -100, &sum, &count, NULL), ULY_EINVAL,
                  "label", "label -7 that is not ignore_index");
 }
 
@@ -893,7 +946,8 @@ TEST(cross_entropy_rejects_null_logits) {
     int32_t labels[1] = {0};
     double sum = 0;
     int64_t count = 0;
-    check_status(uly_cross_entropy(NULL, labels, 1, 4, -100, &sum, &count, NULL), ULY_EINVAL,
+    check_status("uly_cross_entropy",
+                 uly_cross_entropy(NULL, labels, 1, 4, -100, &sum, &count, NULL), ULY_EINVAL,
                  "logits", "logits NULL");
 }
 
@@ -904,10 +958,11 @@ static void never_run(const uly_comm *c, void *u) {
 
 TEST(local_run_rejects_size_0_and_negative_and_above_ULY_MAX_SP) {
     int runs = 0;
-    check_status(uly_local_run(0, never_run, &runs), ULY_EINVAL, "size", "size 0");
-    check_status(uly_local_run(-3, never_run, &runs), ULY_EINVAL, "size", "size -3");
-    check_status(uly_local_run(ULY_MAX_SP + 1, never_run, &runs), ULY_EINVAL, "size",
-                 "size ULY_MAX_SP + 1");
+    check_status("uly_local_run", uly_local_run(0, never_run, &runs), ULY_EINVAL, "size", "size 0");
+    check_status("uly_local_run", uly_local_run(-3, never_run, &runs), ULY_EINVAL, "size",
+                 "size -3");
+    check_status("uly_local_run", uly_local_run(ULY_MAX_SP + 1, never_run, &runs), ULY_EINVAL,
+                 "size", "size ULY_MAX_SP + 1");
     CHECK(runs == 0, "fn ran %d times", runs);
 }
 
@@ -921,11 +976,11 @@ TEST(local_alltoallv_names_the_null_buffer_that_has_bytes) {
     uly_status got;
     uly_status st = uly_local_run(1, null_recv, &got);
     CHECK(st.code == ULY_OK, "%s", st.msg);
-    check_status(got, ULY_EINVAL, "recv is NULL", "recv NULL with 8 bytes");
+    check_status(NULL, got, ULY_EINVAL, "recv is NULL", "recv NULL with 8 bytes");
 }
 
 TEST(local_run_rejects_a_null_function) {
-    check_status(uly_local_run(2, NULL, NULL), ULY_EINVAL, "fn", "fn NULL");
+    check_status("uly_local_run", uly_local_run(2, NULL, NULL), ULY_EINVAL, "fn", "fn NULL");
 }
 
 /* Rank 0 gives up (a bad allreduce), rank 1's allreduce fails; then rank 0 tries again. A
@@ -957,9 +1012,9 @@ TEST(local_comm_after_a_rank_gives_up_every_collective_fails_and_reads_no_peer) 
     for (int i = 0; i < 4; i++) w.buf[0][i] = 1, w.buf[1][i] = 2;
     uly_status st = uly_local_run(2, give_up_then_retry, &w);
     CHECK(st.code == ULY_OK, "local_run: %s", st.msg);
-    check_status(w.first[0], ULY_EINVAL, "n (-1)", "rank 0's bad allreduce");
-    check_status(w.first[1], ULY_ECOMM, "rank 0 failed", "rank 1's allreduce");
-    check_status(w.retry, ULY_ECOMM, "rank 0 failed", "rank 0's retry");
+    check_status(NULL, w.first[0], ULY_EINVAL, "n (-1)", "rank 0's bad allreduce");
+    check_status(NULL, w.first[1], ULY_ECOMM, "rank 0 failed", "rank 1's allreduce");
+    check_status(NULL, w.retry, ULY_ECOMM, "rank 0 failed", "rank 0's retry");
     for (int i = 0; i < 4; i++)
         CHECK(w.buf[0][i] == 1 && w.buf[1][i] == 2, "element %d summed: %g, %g", i, w.buf[0][i],
               w.buf[1][i]);
