@@ -180,17 +180,24 @@ demo-mpi:
 TESTS     += 'skip:demo-mpi (no $(MPICC): apt-get install openmpi-bin libopenmpi-dev)'
 endif
 
+# The CPU benchmarks. make test runs each once at a small size, a smoke check (every call
+# succeeds, the table prints; the times mean nothing), so that they keep running.
 $(BUILD)/bench_cpu: bench/bench_cpu.c ulysses.h | $(BUILD)
 	$(CC) $(ULY_FAST) -o $@ $< $(LDLIBS)
 BENCH_BINS += $(BUILD)/bench_cpu
 BENCHES    += $(BUILD)/bench_cpu
+TESTS      += '$(BUILD)/bench_cpu -s 300 -h 6 -k 3 -d 16 -b 2 -p 4 && echo "1 passed, 0 failed"'
+TEST_BINS  += $(BUILD)/bench_cpu
 ifeq ($(HAVE_MPI),1)
 $(BUILD)/bench_mpi: bench/bench_mpi.c ulysses.h | $(BUILD)
 	$(MPICC) $(ULY_FAST) -o $@ $< $(LDLIBS)
 BENCH_BINS += $(BUILD)/bench_mpi
 BENCHES    += '$(MPIRUN) -np 4 $(BUILD)/bench_mpi'
+TESTS      += 'env $(MPIRUN) -np 4 $(BUILD)/bench_mpi 4096 && echo "1 passed, 0 failed"'
+TEST_BINS  += $(BUILD)/bench_mpi
 else
 BENCHES    += 'skip:bench_mpi (no $(MPICC): apt-get install openmpi-bin libopenmpi-dev)'
+TESTS      += 'skip:bench_mpi (no $(MPICC): apt-get install openmpi-bin libopenmpi-dev)'
 endif
 
 # --- emulator ---
@@ -236,6 +243,8 @@ GPU_TESTS  += $(BUILD)/gpu/test_emu
 GPU_BINS   += $(BUILD)/gpu/test_emu
 BENCHES    += $(BUILD)/bench_emu
 BENCH_BINS += $(BUILD)/bench_emu
+TESTS      += '$(BUILD)/bench_emu && echo "1 passed, 0 failed"'
+TEST_BINS  += $(BUILD)/bench_emu
 
 # --- cuda ---
 # The GPU layer (ulysses_cuda.cuh): layout kernels, device-local and NCCL communicators, the

@@ -1,6 +1,7 @@
 /* bench_mpi.c - the MPI communicator's alltoallv (uly_mpi_comm) against a raw MPI_Alltoallv of
    the same bytes: the Q exchange of an SP group of all processes at several sequence lengths.
-   The target is a ratio <= 1.05. Run with 4 processes (make bench does). */
+   The target is a ratio <= 1.05. Run with 4 processes (make bench does); an argument caps the
+   sequence lengths (S from 4096 to 65536, times 4). */
 #include <mpi.h>
 #define ULYSSES_MPI
 #define ULYSSES_IMPLEMENTATION
@@ -34,6 +35,7 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
+    const int64_t max_s = argc > 1 ? atoll(argv[1]) : 65536;
     uly_mpi m = {MPI_COMM_WORLD, 0};
     uly_comm c;
     uly_status st = uly_mpi_comm(&m, &c);
@@ -42,7 +44,7 @@ int main(int argc, char **argv) {
         printf("bench_mpi: uly_mpi_comm alltoallv vs raw MPI_Alltoallv, Q exchange, P = %d, "
                "H = 16, D = 128, f32 (best of %d; target ratio <= 1.05)\n"
                "  S        MB per rank  raw ms    uly ms    ratio\n", size, REPS);
-    for (int64_t S = 4096; S <= 65536; S *= 4) {
+    for (int64_t S = 4096; S <= max_s; S *= 4) {
         uly_plan p;
         uly_plan_desc d;
         int64_t cnt[4][ULY_MAX_SP];
