@@ -57,9 +57,9 @@ static double best_layout(const uly_plan *p, uly_xchg x, int pack, uly_tensor t,
 int main(int argc, char **argv) {
     int64_t v[6] = {16384, 16, 4, 128, 2, 4}; /* S H Hkv D B P */
     const char *opts = "shkdbp";
-    for (int i = 1; i + 1 < argc; i += 2) {
+    for (int i = 1; i < argc; i += 2) {
         const char *o = argv[i][0] == '-' ? strchr(opts, argv[i][1]) : NULL;
-        if (!o || !argv[i][1]) {
+        if (!o || !argv[i][1] || argv[i][2] || i + 1 == argc) {
             fprintf(stderr, "usage: bench_cpu [-s S] [-h H] [-k Hkv] [-d D] [-b B] [-p P]\n");
             return 2;
         }
