@@ -60,8 +60,8 @@
 
    ERRORS
        Every function that can fail returns uly_status: code 0 (ULY_OK) or an error code, and a
-       message that names the field and the rule, e.g.
-       "sp_size (8) > n_heads (4): every rank needs at least one query head".
+       message that names the call, the field and the rule, e.g.
+       "uly_plan_init: sp_size (8) > n_heads (4): every rank needs at least one query head".
        The size queries (uly_layer_workspace, uly_saved_bytes, uly_send_bytes, ...) return 0,
        and the view helpers (uly_saved_lse, uly_head_slice) NULL data, for what they cannot
        size; the call that takes the result then says why. uly_local_run reports only its own
