@@ -941,9 +941,24 @@ static int64_t uly__work_at(const uly_plan *p, void *base, uly__work *w) {
     return at;
 }
 
+/* Whether the fused QKV, saved and workspace bytes of every SP rank of q's group fit int64.
+   saved and the workspace differ by rank (its heads, its largest blocks), and every rank of a
+   group must refuse a shape alike, or its peers would wait for it in the first exchange. */
+static int uly__sizes_fit(const uly_plan *q) {
+    const int64_t heads = uly__add(q->desc.n_heads, uly__mul(2, q->desc.n_kv_heads));
+    uly__work w;
+    if (uly__bytes(q, q->desc.seq_len, heads) < 0) return 0;
+    for (int r = 0; r < q->desc.sp_size; r++) {
+        uly_plan as = *q;
+        as.sp_rank = r;
+        as.desc.rank = as.made.rank = q->dp_rank * q->desc.sp_size + r;
+        if (uly_saved_bytes(&as) < 0 || uly__work_at(&as, NULL, &w) < 0) return 0;
+    }
+    return 1;
+}
+
 static uly_status uly__plan_init(uly_plan *p, const uly_plan_desc *desc) {
     uly_plan q;
-    uly__work w;
     ULY__CHECK(p && desc, ULY_EINVAL, "%s is NULL", p ? "desc" : "p");
     memset(&q, 0, sizeof q);
     q.desc = *desc;
@@ -954,11 +969,9 @@ static uly_status uly__plan_init(uly_plan *p, const uly_plan_desc *desc) {
     q.group = q.desc.n_heads / q.desc.n_kv_heads;
     q.elem_size = uly_dtype_size(q.desc.dtype);
     q.made = q.desc; /* the size queries below take q as made */
-    /* Every size derived later is at most one of these, so the queries need no checks. */
-    int64_t heads = uly__add(q.desc.n_heads, uly__mul(2, q.desc.n_kv_heads));
-    int64_t fused = uly__bytes(&q, q.desc.seq_len, heads);
-    ULY__CHECK(fused >= 0 && uly_saved_bytes(&q) >= 0 && uly__work_at(&q, NULL, &w) >= 0,
-               ULY_EOVERFLOW,
+    /* Every size derived later, on any rank, is at most one of these: the queries need no
+       checks. */
+    ULY__CHECK(uly__sizes_fit(&q), ULY_EOVERFLOW,
                "batch (%lld), seq_len (%lld), heads (%lld + 2 x %lld), head_dim (%lld), "
                "%lld-byte elements: the fused QKV, saved or workspace bytes overflow int64",
                ULY__LL(q.desc.batch), ULY__LL(q.desc.seq_len), ULY__LL(q.desc.n_heads),

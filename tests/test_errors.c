@@ -112,6 +112,19 @@ TEST(plan_init_accepts_the_base_desc_of_the_table_and_max_bytes_at_the_limit) {
     CHECK(st.code == ULY_OK, "max_bytes 512: %s", st.msg);
 }
 
+/* S = 2e17, H = Hkv = 3, f32 over 2 ranks: the fused QKV (7.2e18 bytes) fits int64, rank 1's
+   workspace (one head of three) too, rank 0's (two) does not. Both ranks refuse the shape: one
+   that went on would wait for the other in its first exchange. */
+TEST(plan_init_refuses_alike_on_every_rank_sizes_that_overflow_on_one) {
+    for (int r = 0; r < 2; r++) {
+        uly_plan_desc d = {.world_size = 2, .rank = r, .sp_size = 2, .batch = 1,
+                           .seq_len = 200000000000000000, .n_heads = 3, .head_dim = 1};
+        uly_plan p;
+        check_status("uly_plan_init", uly_plan_init(&p, &d), ULY_EOVERFLOW, "workspace bytes",
+                     r ? "rank 1" : "rank 0");
+    }
+}
+
 TEST(plan_init_rejects_null_arguments) {
     uly_plan p;
     uly_plan_desc d = good_desc();
