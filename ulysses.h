@@ -945,13 +945,20 @@ static int64_t uly__work_at(const uly_plan *p, void *base, uly__work *w) {
    saved and the workspace differ by rank (its heads, its largest blocks), and every rank of a
    group must refuse a shape alike, or its peers would wait for it in the first exchange. */
 static int uly__sizes_fit(const uly_plan *q) {
-    const int64_t heads = uly__add(q->desc.n_heads, uly__mul(2, q->desc.n_kv_heads));
+    const uly_plan_desc *d = &q->desc;
+    const int64_t heads = uly__add(d->n_heads, uly__mul(2, d->n_kv_heads));
     uly__work w;
-    if (uly__bytes(q, q->desc.seq_len, heads) < 0) return 0;
-    for (int r = 0; r < q->desc.sp_size; r++) {
+    if (uly__bytes(q, d->seq_len, heads) < 0) return 0;
+    /* Without asking each rank: no buffer of any rank exceeds F = B S H D max(elem, 4) bytes
+       (a rank holds at most S tokens, H heads, as many kv heads as heads, and an exchange's
+       blocks sum to at most S x H rows); saved and the workspace are at most 5 and 6 of them,
+       each rounded up to 256 bytes. */
+    const int64_t F = uly__mul(uly__bytes(q, d->seq_len, d->n_heads), 4 / q->elem_size);
+    if (uly__mul(6, uly__add(F, 255)) >= 0) return 1;
+    for (int r = 0; r < d->sp_size; r++) {
         uly_plan as = *q;
         as.sp_rank = r;
-        as.desc.rank = as.made.rank = q->dp_rank * q->desc.sp_size + r;
+        as.desc.rank = as.made.rank = q->dp_rank * d->sp_size + r;
         if (uly_saved_bytes(&as) < 0 || uly__work_at(&as, NULL, &w) < 0) return 0;
     }
     return 1;

@@ -125,6 +125,39 @@ TEST(plan_init_refuses_alike_on_every_rank_sizes_that_overflow_on_one) {
     }
 }
 
+/* Near the limit, over uneven splits and GQA: every rank of a group accepts a shape or none
+   does, and where they accept, every rank's saved and workspace bytes fit int64. */
+TEST(plan_init_accepts_a_shape_near_int64_on_every_rank_or_on_none) {
+    static const int64_t hs[][2] = {{3, 3}, {5, 1}, {8, 2}, {12, 4}};
+    int refused = 0, accepted = 0;
+    for (int P = 2; P <= 5; P++)
+        for (size_t i = 0; i < sizeof hs / sizeof *hs; i++)
+            for (int dt = ULY_F32; dt <= ULY_BF16; dt++)
+                for (int64_t k = 4; k <= 64; k++) { /* S x H x D x 4 bytes near 2^63 x 4 / k */
+                    uly_plan_desc d = {.world_size = P, .sp_size = P, .batch = 1,
+                                       .n_heads = hs[i][0], .n_kv_heads = hs[i][1],
+                                       .head_dim = 8, .dtype = (uly_dtype)dt};
+                    d.seq_len = INT64_MAX / 8 / d.n_heads * 4 / k;
+                    int ok = 0;
+                    for (d.rank = 0; d.rank < P; d.rank++) {
+                        uly_plan p;
+                        uly__work w;
+                        const uly_status st = uly_plan_init(&p, &d);
+                        ok += !st.code;
+                        CHECK(st.code || (uly_saved_bytes(&p) > 0 &&
+                                          uly__work_at(&p, NULL, &w) > 0),
+                              "P %d, H %lld, S %lld, rank %d: accepted, but its sizes overflow", P,
+                              (long long)d.n_heads, (long long)d.seq_len, d.rank);
+                    }
+                    CHECK(ok == 0 || ok == P, "P %d, H %lld, Hkv %lld, S %lld: %d of %d accept", P,
+                          (long long)d.n_heads, (long long)d.n_kv_heads, (long long)d.seq_len, ok,
+                          P);
+                    refused += ok == 0, accepted += ok == P;
+                }
+    CHECK(refused && accepted, "%d shapes refused, %d accepted: the sweep misses the limit",
+          refused, accepted);
+}
+
 TEST(plan_init_rejects_null_arguments) {
     uly_plan p;
     uly_plan_desc d = good_desc();
