@@ -369,7 +369,9 @@ ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
    rule for them. saved and the workspace must not overlap each other or any tensor (an error),
    and dq, dk and dv not each other, except as consecutive slices along b, s or h of one view
    (uly_qkv_views' fused [.., H + 2 Hkv, D]) or as one view shifted into the gaps between its
-   rows (heads interleaved, [.., H, 3, D]). An output may be written over an input of the same
+   rows (heads interleaved, [.., H, 3, D]) where each of its strides spans the whole dim inside
+   it (stride >= extent x inner stride); other views whose bytes interleave count as sharing
+   memory, even where no element is shared. An output may be written over an input of the same
    call (out over q, dq over dout): inputs are exchanged before any output is written. */
 ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
                               uly_tensor out, void *saved, int64_t saved_bytes);

@@ -118,6 +118,11 @@ TEST(share_and_meet_at_their_boundaries) {
     k2.sb = 14, k2.ss = 7, k2.sh = 2;
     q4 = k2, q4.h = 4, q4.data = b + 1; /* 1, 3, 5, 7, ... */
     CHECK(uly__share(k2, q4), "moved into the gaps but with more heads, meets at 7");
+    uly_tensor z = uly_dense(b, ULY_F32, 1, 2, 2, 1), z1; /* rows 0, 3, 5, 8: ss < h x sh */
+    z.sh = 3, z.ss = 5, z.sb = 10;
+    z1 = z, z1.data = b + 1; /* rows 1, 4, 6, 9 */
+    CHECK(uly__share(z, z1), "moved into the gaps of a view whose ss < h x sh: apart, but counted "
+          "as sharing (uly_forward's rule)");
     uly_tensor all = uly_dense(b, ULY_F32, 1, 2, 2, 2), one;
     all.ss = 6, all.sb = 12;
     one = all, one.h = 1, one.sh = 99, one.data = b + 4; /* head 2 of [S][3][D]; sh unused */
