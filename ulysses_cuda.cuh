@@ -123,9 +123,10 @@ ULYDEF uly_layout uly_cuda_layout(void);
    thread's GPU, and waits for all of them. Each rank works on its own stream (the stream
    argument of each call); alltoallv copies device to device between the ranks' buffers, ordered
    by events, so the streams of different ranks run concurrently. allreduce_sum takes GPU or
-   host memory (read once the stream is done) and synchronizes the stream. barrier meets the
-   host threads. Each thread makes the caller's GPU current; if that fails on any, fn runs on
-   none and the failing rank's error is returned. */
+   host memory (read once the stream is done) and synchronizes the stream. In both, counts that
+   differ between ranks, or a rank that fails, fail every rank alike (ULY_ECOMM on its peers).
+   barrier meets the host threads. Each thread makes the caller's GPU current; if that fails on
+   any, fn runs on none and the failing rank's error is returned. */
 ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
                                      void *user);
 
@@ -830,29 +831,46 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
 /* Through the host, a few values at a time: sums are the host comm's, in rank order. Host
    memory goes to it once the stream is done (as NCCL's, so that a result copied there on the
    stream is what is summed); device memory through a copy on the stream. Given no stream, the
-   per-thread default one (as NCCL's: the legacy stream would wait for every rank's work). */
+   per-thread default one (as NCCL's: the legacy stream would wait for every rank's work).
+   Every rank takes part in every round, failed or not, so that all of them return alike: first
+   each learns every count (-1: a rank that failed), then each chunk carries whether a rank's
+   copy failed. A rank that went away alone would leave its peers to pair this call with its
+   next one. */
 enum { ULY__DL_CHUNK = 64 }; /* doubles a host round trip carries: a stack buffer */
 static uly_status uly__dl_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
-    uly__dl_rank *me = (uly__dl_rank *)ctx;
+    const uly_comm *host = ((uly__dl_rank *)ctx)->host;
     cudaStream_t s = stream ? (cudaStream_t)stream : cudaStreamPerThread;
-    double tmp[ULY__DL_CHUNK];
+    int64_t mine[ULY_MAX_SP], count[ULY_MAX_SP];
     int device = 0;
-    ULY__TRY(uly__sum_buffer(buf, n, &device));
-    if (!device) {
-        ULY__TRY(uly__cuda(cudaStreamSynchronize(s), "device-local allreduce_sum"));
-        return me->host->allreduce_sum(me->host->ctx, buf, n, NULL);
-    }
-    for (int64_t at = 0; at < n; at += ULY__DL_CHUNK) {
+    uly_status st = uly__sum_buffer(buf, n, &device);
+    if (!st.code && !device)
+        st = uly__cuda(cudaStreamSynchronize(s), "device-local allreduce_sum");
+    for (int j = 0; j < host->size; j++) mine[j] = st.code ? -1 : n;
+    ULY__TRY(uly__dl_trade(host, mine, count, sizeof *mine));
+    for (int i = 0; i < host->size && !st.code; i++)
+        if (count[i] != n)
+            st = count[i] < 0 ? uly__err(ULY_ECOMM, "allreduce_sum: rank %d failed", i)
+                              : uly__err(ULY_ECOMM, "allreduce_sum: rank %d sums %lld values, "
+                                         "rank %d %lld", i, ULY__LL(count[i]), host->rank,
+                                         ULY__LL(n));
+    if (st.code || !device) return st.code ? st : host->allreduce_sum(host->ctx, buf, n, NULL);
+    cudaError_t e = cudaSuccess;
+    double failed = 0;
+    for (int64_t at = 0; at < n && !failed; at += ULY__DL_CHUNK) {
+        double tmp[ULY__DL_CHUNK + 1]; /* the values, then 1 if this rank's copies failed */
         const int64_t m = uly__min(ULY__DL_CHUNK, n - at);
         const size_t bytes = (size_t)m * sizeof(double);
-        cudaError_t e = cudaMemcpyAsync(tmp, buf + at, bytes, cudaMemcpyDefault, s);
+        if (!e) e = cudaMemcpyAsync(tmp, buf + at, bytes, cudaMemcpyDefault, s);
         if (!e) e = cudaStreamSynchronize(s);
-        ULY__TRY(uly__cuda(e, "device-local allreduce_sum"));
-        ULY__TRY(me->host->allreduce_sum(me->host->ctx, tmp, m, NULL));
-        e = cudaMemcpyAsync(buf + at, tmp, bytes, cudaMemcpyDefault, s);
-        if (!e) e = cudaStreamSynchronize(s);
-        ULY__TRY(uly__cuda(e, "device-local allreduce_sum"));
+        tmp[m] = e != cudaSuccess;
+        ULY__TRY(host->allreduce_sum(host->ctx, tmp, m + 1, NULL));
+        failed = tmp[m];
+        if (!e && !failed) e = cudaMemcpyAsync(buf + at, tmp, bytes, cudaMemcpyDefault, s);
+        if (!e && !failed) e = cudaStreamSynchronize(s);
     }
+    ULY__TRY(uly__cuda(e, "device-local allreduce_sum"));
+    ULY__CHECK(!failed, ULY_ECOMM, "allreduce_sum: %g rank(s) could not copy their values",
+               failed);
     return uly__ok();
 }
 
