@@ -170,13 +170,15 @@ ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
    collective over world, which must have no NCCL work outstanding), waiting at most timeout_s
    seconds (0: no limit) for a non-blocking world's init and its splits. On failure *sp and *dp
    hold what was made (NULL for the rest): the caller aborts them with world, since peers may
-   still be inside the failed split, where a destroy here could wait for them forever. */
+   still be inside the failed split, where a destroy here could wait for them forever. After a
+   non-blocking split timed out, NCCL's thread may still store the new communicator there. */
 ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s, ncclComm_t *sp,
                                  ncclComm_t *dp);
-/* Waits until the work queued on stream is done, polling NCCL for an asynchronous error (a
-   peer that died, a network failure). On such an error, or after timeout_s seconds (0: no
-   limit), it returns ULY_ECOMM: never a silent hang on queued work. Then comm is unusable;
-   every live rank must abort it. */
+/* Waits until the work queued on stream is done (on a non-blocking comm, also until NCCL has
+   queued the work of a call that answered ncclInProgress), polling NCCL for an asynchronous
+   error (a peer that died, a network failure). On such an error, or after timeout_s seconds
+   (0: no limit), it returns ULY_ECOMM: never a silent hang on queued work. Then comm is
+   unusable; every live rank must abort it. */
 ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s);
 #endif
 
@@ -983,6 +985,39 @@ static uly_status uly__nccl_async(ncclComm_t comm, const char *what) {
     return async == ncclInProgress ? uly__ok() : uly__nccl(async, comm, what);
 }
 
+/* uly_nccl_wait, whose messages its callers lead with their names. Done is when the stream is
+   idle and NCCL answers success: a peer may have failed since the work ran, and a non-blocking
+   call answers ncclInProgress until NCCL's thread has queued its work, when the stream can be
+   idle with the work still to come. */
+static uly_status uly__nccl_wait(ncclComm_t comm, void *stream, double timeout_s) {
+    struct timespec t0, nap = {0, 100000};
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        const cudaError_t q = cudaStreamQuery((cudaStream_t)stream);
+        if (q != cudaSuccess && q != cudaErrorNotReady) return uly__cuda(q, "cudaStreamQuery");
+        /* The runtime keeps "not ready", like any answer but success, as the thread's last error,
+           which the next launch's check (cudaGetLastError) would take for its own failure. */
+        if (q == cudaErrorNotReady && cudaPeekAtLastError() == cudaErrorNotReady)
+            (void)cudaGetLastError();
+        ncclResult_t async = ncclSuccess;
+        uly_status st = uly__nccl(ncclCommGetAsyncError(comm, &async), comm,
+                                  "ncclCommGetAsyncError");
+        if (!st.code && async != ncclInProgress)
+            st = uly__nccl(async, comm, "the communicator's asynchronous error");
+        if (!st.code && q == cudaSuccess && async == ncclSuccess) return st;
+        const double waited = uly__since(&t0);
+        if (!st.code && timeout_s > 0 && waited > timeout_s)
+            st = uly__err(ULY_ECOMM, "%s after %.2f s (a peer may be gone)",
+                          q == cudaSuccess ? "NCCL's call still in progress"
+                                           : "the stream is not done",
+                          waited);
+        if (st.code)
+            return uly__err(ULY_ECOMM, "%s; the communicator is unusable: ncclCommAbort it on "
+                            "every rank", st.msg);
+        nanosleep(&nap, NULL);
+    }
+}
+
 /* Grouped ncclSend/ncclRecv even where this rank's counts are uniform: ncclAlltoAll is a
    collective every rank must call, and a rank sees only its own counts, which can be uniform
    while a peer's are not (that peer would wait in ncclRecv, forever). Both ends of a pair see
@@ -1056,7 +1091,7 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
                "NULL (it needs %d doubles of device memory)", (int)ULY_NCCL_SCRATCH);
     /* A copy of pageable memory waits for the stream before it starts, and a collective stuck
        on a dead peer never lets it finish: wait here, where the timeout applies. */
-    ULY__TRY(uly_nccl_wait(n->comm, s, n->timeout_s));
+    ULY__TRY(uly__named("allreduce_sum", uly__nccl_wait(n->comm, s, n->timeout_s)));
     for (int64_t at = 0; at < count; at += ULY_NCCL_SCRATCH) {
         const size_t bytes = (size_t)uly__min(ULY_NCCL_SCRATCH, count - at) * sizeof(double);
         ULY__TRY(uly__cuda(cudaMemcpyAsync(n->scratch, buf + at, bytes, cudaMemcpyHostToDevice,
@@ -1064,7 +1099,7 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
         ULY__TRY(uly__nccl_sum(n, n->scratch, (int64_t)(bytes / sizeof(double)), s,
                                "allreduce_sum"));
         /* Likewise before the copy back. */
-        ULY__TRY(uly_nccl_wait(n->comm, s, n->timeout_s));
+        ULY__TRY(uly__named("allreduce_sum", uly__nccl_wait(n->comm, s, n->timeout_s)));
         ULY__TRY(uly__cuda(cudaMemcpyAsync(buf + at, n->scratch, bytes, cudaMemcpyDeviceToHost,
                                            s), "allreduce_sum"));
         ULY__TRY(uly__cuda(cudaStreamSynchronize(s), "allreduce_sum"));
@@ -1079,7 +1114,7 @@ static uly_status uly__nccl_barrier(void *ctx) {
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "barrier: uly_nccl.scratch is NULL (it needs %d "
                "doubles of device memory)", (int)ULY_NCCL_SCRATCH);
     ULY__TRY(uly__nccl_sum(n, n->scratch, 1, s, "barrier"));
-    return uly_nccl_wait(n->comm, s, n->timeout_s);
+    return uly__named("barrier", uly__nccl_wait(n->comm, s, n->timeout_s));
 }
 
 static uly_status uly__nccl_comm(uly_nccl *n, uly_comm *out) {
@@ -1134,28 +1169,7 @@ ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s
 }
 
 ULYDEF uly_status uly_nccl_wait(ncclComm_t comm, void *stream, double timeout_s) {
-    struct timespec t0, nap = {0, 100000};
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {
-        const cudaError_t q = cudaStreamQuery((cudaStream_t)stream);
-        if (q != cudaSuccess && q != cudaErrorNotReady)
-            return uly__cuda(q, "uly_nccl_wait: cudaStreamQuery");
-        /* The runtime keeps "not ready", like any answer but success, as the thread's last error,
-           which the next launch's check (cudaGetLastError) would take for its own failure. */
-        if (q == cudaErrorNotReady && cudaPeekAtLastError() == cudaErrorNotReady)
-            (void)cudaGetLastError();
-        uly_status st = uly__nccl_async(comm, "uly_nccl_wait"); /* done is not enough: a peer
-                                                                   may have failed since */
-        if (!st.code && q == cudaSuccess) return st;
-        const double waited = uly__since(&t0);
-        if (!st.code && timeout_s > 0 && waited > timeout_s)
-            st = uly__err(ULY_ECOMM, "uly_nccl_wait: the stream is not done after %.1f s (a peer "
-                          "may be gone)", waited);
-        if (st.code)
-            return uly__err(ULY_ECOMM, "%s; the communicator is unusable: ncclCommAbort it on "
-                            "every rank", st.msg);
-        nanosleep(&nap, NULL);
-    }
+    return uly__named("uly_nccl_wait", uly__nccl_wait(comm, stream, timeout_s));
 }
 
 #endif /* ULYSSES_NCCL */

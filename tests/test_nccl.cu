@@ -1159,10 +1159,12 @@ TEST(host_allreduce_and_barrier_give_up_after_the_communicators_timeout) {
     uly_status st = nccl_run_timed(2, stuck_main, &j, 0.05);
     CHECK(!st.code, "%s", st.msg);
     for (int r = 0; r < 2; r++) {
-        CHECK(j.sum[r].code == ULY_ECOMM && strstr(j.sum[r].msg, "not done after") &&
+        CHECK(j.sum[r].code == ULY_ECOMM &&
+                  !strncmp(j.sum[r].msg, "allreduce_sum: the stream is not done after", 43) &&
                   j.sum_s[r] >= 0.05,
               "rank %d allreduce: '%s' after %.3f s", r, j.sum[r].msg, j.sum_s[r]);
-        CHECK(j.barrier[r].code == ULY_ECOMM && strstr(j.barrier[r].msg, "not done after") &&
+        CHECK(j.barrier[r].code == ULY_ECOMM &&
+                  !strncmp(j.barrier[r].msg, "barrier: the stream is not done after", 37) &&
                   j.barrier_s[r] >= 0.05,
               "rank %d barrier: '%s' after %.3f s", r, j.barrier[r].msg, j.barrier_s[r]);
     }
@@ -1244,6 +1246,70 @@ TEST(nonblocking_call_that_never_completes_is_ecomm_after_the_timeout) {
     CHECK(j.st[0].code == ULY_ECOMM && strstr(j.st[0].msg, "still in progress after") &&
               strstr(j.st[0].msg, "ncclCommAbort it on every rank") && j.waited[0] >= 0.05,
           "rank 0: '%s' after %.3f s", j.st[0].msg, j.waited[0]);
+    CHECK(!j.st[1].code, "rank 1: '%s'", j.st[1].msg);
+}
+
+/* The caller's own call on a non-blocking communicator answers ncclInProgress until NCCL's
+   thread has queued its work, so an idle stream is not yet done: uly_nccl_wait returns once
+   NCCL answers success. */
+typedef struct own_call_job {
+    ncclResult_t answer[2], after[2];
+    uly_status st[2];
+} own_call_job;
+
+static void own_call_main(const uly_comm *c, void *user) {
+    own_call_job *j = (own_call_job *)user;
+    const int r = c->rank;
+    double *dev;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    cudaMalloc((void **)&dev, sizeof(double));
+    cudaMemset(dev, 0, sizeof(double));
+    j->answer[r] = ncclAllReduce(dev, dev, 1, ncclFloat64, ncclSum, nccl_of(c), s);
+    j->st[r] = uly_nccl_wait(nccl_of(c), s, 0);
+    j->after[r] = ncclInProgress;
+    ncclCommGetAsyncError(nccl_of(c), &j->after[r]);
+    cudaFree(dev);
+    cudaStreamDestroy(s);
+}
+
+TEST(wait_on_a_nonblocking_call_returns_once_nccl_has_queued_its_work) {
+    own_call_job j;
+    memset(&j, 0, sizeof j);
+    const uly_status st = nccl_run_nonblocking(2, own_call_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    for (int r = 0; r < 2; r++)
+        CHECK(j.answer[r] == ncclInProgress && !j.st[r].code && j.after[r] == ncclSuccess,
+              "rank %d: ncclAllReduce answered %d, uly_nccl_wait '%s', then NCCL says '%s'", r,
+              (int)j.answer[r], j.st[r].msg, ncclGetErrorString(j.after[r]));
+}
+
+/* The same call never completing on rank 0 (a peer that never arrives): its wait gives up
+   after the timeout, though its stream is idle. */
+static void own_stall_main(const uly_comm *c, void *user) {
+    own_call_job *j = (own_call_job *)user;
+    const int r = c->rank;
+    double *dev;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    cudaMalloc((void **)&dev, sizeof(double));
+    cudaMemset(dev, 0, sizeof(double));
+    if (r == 0) uly_emu_nccl_stall(nccl_of(c));
+    j->answer[r] = ncclAllReduce(dev, dev, 1, ncclFloat64, ncclSum, nccl_of(c), s);
+    j->st[r] = uly_nccl_wait(nccl_of(c), s, 0.05);
+    cudaFree(dev);
+    cudaStreamDestroy(s);
+}
+
+TEST(wait_on_a_nonblocking_call_that_never_completes_gives_up_after_the_timeout) {
+    own_call_job j;
+    memset(&j, 0, sizeof j);
+    const uly_status st = nccl_run_nonblocking(2, own_stall_main, &j);
+    CHECK(!st.code, "%s", st.msg);
+    CHECK(j.st[0].code == ULY_ECOMM &&
+              !strncmp(j.st[0].msg, "uly_nccl_wait: NCCL's call still in progress after", 50) &&
+              strstr(j.st[0].msg, "ncclCommAbort it"),
+          "rank 0: '%s'", j.st[0].msg);
     CHECK(!j.st[1].code, "rank 1: '%s'", j.st[1].msg);
 }
 
