@@ -51,8 +51,13 @@ TEST(a_plan_whose_workspace_overflows_is_refused) {
     CHECK(st.code == ULY_EOVERFLOW, "accepted: %s", st.msg);
 }
 TEST(size_helpers_keep_overflow_sticky_and_exact_at_the_boundary) {
-    CHECK(uly__add(-1, 5) == -1 && uly__mul(-1, 0) == -1, "add %lld mul %lld",
-          (long long)uly__add(-1, 5), (long long)uly__mul(-1, 0));
+    CHECK(uly__add(-1, 5) == -1 && uly__add(5, -1) == -1 && uly__mul(-1, 0) == -1 &&
+              uly__mul(0, -1) == -1,
+          "add %lld %lld mul %lld %lld", (long long)uly__add(-1, 5), (long long)uly__add(5, -1),
+          (long long)uly__mul(-1, 0), (long long)uly__mul(0, -1));
+    CHECK(uly__add(INT64_MAX - 5, 5) == INT64_MAX && uly__add(INT64_MAX - 4, 5) == -1,
+          "add %lld %lld", (long long)uly__add(INT64_MAX - 5, 5),
+          (long long)uly__add(INT64_MAX - 4, 5));
     CHECK(uly__mul(2, INT64_MAX / 2) == INT64_MAX - 1, "mul %lld",
           (long long)uly__mul(2, INT64_MAX / 2));
     static float x[8];
@@ -71,6 +76,13 @@ TEST(head_slice_one_past_the_end_has_no_data) {
     static float x[4 * 4];
     uly_tensor t = uly_dense(x, ULY_F32, 1, 1, 4, 4);
     CHECK(uly_head_slice(t, 3, 2).data == NULL, "heads [3, 5) of 4");
+}
+TEST(head_slice_of_no_heads_in_range_keeps_its_place) {
+    static float x[4 * 4];
+    uly_tensor t = uly_dense(x, ULY_F32, 1, 1, 4, 4);
+    CHECK(uly_head_slice(t, 4, 0).data == x + 16 && uly_head_slice(t, 1, 0).data == x + 4,
+          "heads [4, 4) at %p, [1, 1) at %p; want %p, %p", uly_head_slice(t, 4, 0).data,
+          uly_head_slice(t, 1, 0).data, (void *)(x + 16), (void *)(x + 4));
 }
 
 /* ---- CPU layout ---- */
@@ -123,6 +135,10 @@ TEST(share_and_meet_at_their_boundaries) {
     z1 = z, z1.data = b + 1; /* rows 1, 4, 6, 9 */
     CHECK(uly__share(z, z1), "moved into the gaps of a view whose ss < h x sh: apart, but counted "
           "as sharing (uly_forward's rule)");
+    uly_tensor w = uly_dense(b, ULY_F32, 2, 1, 2, 2), w5; /* rows at 0, 2, 8, 10 */
+    w.sb = 8, w.ss = 4, w.sh = 2;
+    w5 = w, w5.data = b + 5; /* rows at 5, 7, 13, 15: its first row's second element is 8 */
+    CHECK(uly__share(w, w5), "moved by 5, not a multiple of any stride, meets at element 8");
     uly_tensor all = uly_dense(b, ULY_F32, 1, 2, 2, 2), one;
     all.ss = 6, all.sb = 12;
     one = all, one.h = 1, one.sh = 99, one.data = b + 4; /* head 2 of [S][3][D]; sh unused */
@@ -138,10 +154,10 @@ static uly_status stub(const char *m) {
 }
 
 /* ---- layer driver (the checks before an exchange are test_errors') ---- */
-static int packs, unpacks;
-static void count_phase(void *u, uly_phase ph, int end) {
+static int phases[64], nphases; /* 2 * phase + end, as on_phase reports them */
+static void record_phase(void *u, uly_phase ph, int end) {
     (void)u;
-    if (!end) packs += ph == ULY_PHASE_PACK, unpacks += ph == ULY_PHASE_UNPACK;
+    if (nphases < 64) phases[nphases++] = 2 * (int)ph + end;
 }
 static void b1_forward(const uly_comm *c, void *u) {
     uly_status st;
@@ -150,7 +166,7 @@ static void b1_forward(const uly_comm *c, void *u) {
     static float x[4 * 4 * 2 * 4];
     memset(&L, 0, sizeof L);
     L.plan = &p, L.comm = c, L.attn = uly_cpu_attention(), L.layout = uly_cpu_layout();
-    L.on_phase = count_phase;
+    L.on_phase = record_phase;
     L.workspace_bytes = uly_layer_workspace(&L), L.workspace = malloc((size_t)L.workspace_bytes);
     void *saved = malloc((size_t)uly_saved_bytes(&p));
     *(uly_status *)u =
@@ -159,12 +175,28 @@ static void b1_forward(const uly_comm *c, void *u) {
                     saved, uly_saved_bytes(&p));
     free(saved), free(L.workspace);
 }
+static int first_difference(const int *a, const int *b, int n) {
+    int i = 0;
+    while (i < n && a[i] == b[i]) i++;
+    return i;
+}
+
+/* Each phase as a begin and an end, in the order of the layer's steps. */
 TEST(with_B_1_the_head_layout_side_of_each_exchange_is_not_copied) {
+    enum { P0 = 2 * ULY_PHASE_PACK, X0 = 2 * ULY_PHASE_EXCHANGE, A0 = 2 * ULY_PHASE_ATTN,
+           U0 = 2 * ULY_PHASE_UNPACK };
+    static const int want[] = {P0, P0 + 1, X0, X0 + 1,  /* Q: packed, received in place */
+                               P0, P0 + 1, X0, X0 + 1,  /* K */
+                               P0, P0 + 1, X0, X0 + 1,  /* V */
+                               A0, A0 + 1,              /* attention */
+                               X0, X0 + 1, U0, U0 + 1}; /* O: sent in place, unpacked */
+    enum { NWANT = sizeof want / sizeof *want };
     uly_status st = stub("not run");
-    packs = unpacks = 0;
+    nphases = 0;
     uly_local_run(1, b1_forward, &st);
-    CHECK(!st.code && packs == 3 && unpacks == 1, "%s: %d packs, %d unpacks", st.msg, packs,
-          unpacks);
+    CHECK(!st.code && nphases == NWANT && !memcmp(phases, want, sizeof want),
+          "%s: %d phase calls, want %d; first difference at %d", st.msg, nphases, (int)NWANT,
+          first_difference(phases, want, nphases < NWANT ? nphases : NWANT));
 }
 
 /* ---- attention ---- */
