@@ -27,6 +27,7 @@ static const sp_case cases[] = {
     {3, 1, 13, 5, 5, 16, 0, 0, 0},  /* uneven H */
     {3, 2, 11, 6, 2, 8, 1, 0, 0},   /* g = 3: a GQA group split across ranks */
     {3, 2, 11, 6, 2, 8, 0, 1, 0},
+    {3, 1, 7, 8, 2, 8, 1, 0, 0},    /* g = 4 over H_r = 3, 3, 2: rank 1 holds 3 heads of 2 kv */
     {4, 2, 67, 8, 2, 16, 1, 0, 0},  /* GQA g = 4, Hkv < P: replicated kv heads */
     {4, 2, 67, 8, 2, 16, 1, 1, 0},
     {4, 3, 31, 4, 1, 8, 1, 0, 0},   /* MQA, Hkv = 1 < P, B = 3 */
