@@ -584,6 +584,17 @@ TEST(a_valid_call_reaches_the_communicator_and_returns_its_error) {
     free(f);
 }
 
+/* The inputs may share memory (only the gradients may not): k and v one tensor passes every
+   check and reaches the communicator. */
+TEST(forward_takes_k_and_v_as_one_tensor) {
+    fixture *f = (fixture *)malloc(sizeof *f);
+    fixture_init(f);
+    f->tv = f->tk;
+    check_status("uly_forward", fwd(f), ULY_ECOMM, "stub communicator called", "v is k");
+    fixture_free(f);
+    free(f);
+}
+
 /* A communicator whose message fills uly_status.msg: letters a to z over and over. */
 static uly_status long_a2a(void *ctx, const void *s, const int64_t *sc, const int64_t *so,
                            void *r, const int64_t *rc, const int64_t *ro, void *stream) {
@@ -878,6 +889,12 @@ static const agree_row agree_table[] = {
     {"max_bytes 2^53 + 1 on rank 0", 0, P_MAXB, TWO53 + 1, 0, 6,
      "max_bytes is 9007199254740992 on this rank", ", 9007199254740993 on", "2 of 3"},
     {"causal 0 on rank 2", 2, A_CAUSAL, 0, 0, 4, "causal is 0 on this rank", ", 1 on", "1 of 3"},
+    {"causal 2 on rank 1: true, as the others' 1", 1, A_CAUSAL, 2, 0, 0, NULL, NULL, NULL},
+    /* values whose low 32 bits have the top one set travel whole */
+    {"scale -0.5 on rank 0", 0, A_SCALE, 0, -0.5f, 6, "softmax_scale is 0.25 on this rank",
+     ", -0.5 on sp rank 0", "2 of 3"},
+    {"max_bytes 3 x 2^30 on rank 0", 0, P_MAXB, (int64_t)3 << 30, 0, 6,
+     "max_bytes is 9007199254740992 on this rank", ", 3221225472 on sp rank 0", "2 of 3"},
     {"scale 0.3 on rank 1", 1, A_SCALE, 0, 0.3f, 2, "softmax_scale is 0.3 on this rank",
      ", 0.25 on", "1 of 3"},
     /* sp_size 1 in a world of 3: a valid plan, but not for a communicator of 3 */
@@ -997,6 +1014,72 @@ TEST(cross_entropy_rejects_null_logits) {
                  "logits", "logits NULL");
 }
 
+/* ---------------------------------------------------------------------------------------------
+   An exchange that fails: its error comes back, whichever of a pass's four exchanges it is */
+
+typedef struct failing_comm {
+    const uly_comm *inner;
+    int calls, fail_at; /* the alltoallv call that fails, counting from 1 */
+} failing_comm;
+
+static uly_status failing_a2a(void *ctx, const void *s, const int64_t *sc, const int64_t *so,
+                              void *r, const int64_t *rc, const int64_t *ro, void *stream) {
+    failing_comm *f = (failing_comm *)ctx;
+    if (++f->calls == f->fail_at) return uly__err(ULY_ECOMM, "exchange %d fails", f->calls);
+    return f->inner->alltoallv(f->inner->ctx, s, sc, so, r, rc, ro, stream);
+}
+
+typedef struct fail_at_run {
+    uly_status st[2][4]; /* forward, backward; the exchange that failed */
+} fail_at_run;
+
+/* One rank, B 2 (every exchange packs or unpacks), over a comm that fails on call n. */
+static void fail_at_main(const uly_comm *c, void *user) {
+    fail_at_run *run = (fail_at_run *)user;
+    uly_plan p;
+    uly_plan_desc d = {.world_size = 1, .sp_size = 1, .batch = 2, .seq_len = 4, .n_heads = 2,
+                       .n_kv_heads = 1, .head_dim = 4};
+    static float x[8][2 * 4 * 2 * 4]; /* q, k, v, out, dout, dq, dk, dv */
+    failing_comm f = {c, 0, 0};
+    uly_comm comm = *c;
+    comm.alltoallv = failing_a2a, comm.ctx = &f;
+    uly_plan_init(&p, &d);
+    uly_layer L = {.plan = &p, .comm = &comm, .attn = uly_cpu_attention(),
+                   .layout = uly_cpu_layout()};
+    L.workspace_bytes = uly_layer_workspace(&L);
+    L.workspace = malloc((size_t)L.workspace_bytes);
+    const int64_t ns = uly_saved_bytes(&p);
+    void *saved = malloc((size_t)ns);
+    uly_tensor t[8];
+    for (int i = 0; i < 8; i++) /* k, v, dk, dv have the one kv head */
+        t[i] = uly_dense(x[i], ULY_F32, 2, 4, i == 1 || i == 2 || i >= 6 ? 1 : 2, 4);
+    for (int backward = 0; backward < 2; backward++)
+        for (int n = 1; n <= 4; n++) {
+            f.calls = 0, f.fail_at = backward ? 0 : n;
+            uly_status st = uly_forward(&L, t[0], t[1], t[2], t[3], saved, ns);
+            if (backward && !st.code) {
+                f.calls = 0, f.fail_at = n;
+                st = uly_backward(&L, t[4], saved, ns, t[5], t[6], t[7]);
+            }
+            run->st[backward][n - 1] = st;
+        }
+    free(saved), free(L.workspace);
+}
+
+TEST(an_error_from_any_exchange_of_a_pass_comes_back) {
+    fail_at_run run;
+    memset(&run, 0, sizeof run);
+    CHECK(uly_local_run(1, fail_at_main, &run).code == ULY_OK, "local_run");
+    for (int backward = 0; backward < 2; backward++)
+        for (int n = 1; n <= 4; n++) {
+            char says[32], what[32];
+            snprintf(says, sizeof says, "exchange %d fails", n);
+            snprintf(what, sizeof what, "%s, exchange %d", backward ? "backward" : "forward", n);
+            check_status(backward ? "uly_backward" : "uly_forward", run.st[backward][n - 1],
+                         ULY_ECOMM, says, what);
+        }
+}
+
 static void never_run(const uly_comm *c, void *u) {
     (void)c;
     (*(int *)u)++;
@@ -1023,6 +1106,58 @@ TEST(local_alltoallv_names_the_null_buffer_that_has_bytes) {
     uly_status st = uly_local_run(1, null_recv, &got);
     CHECK(st.code == ULY_OK, "%s", st.msg);
     check_status(NULL, got, ULY_EINVAL, "recv is NULL", "recv NULL with 8 bytes");
+}
+
+static void null_offsets(const uly_comm *c, void *user) {
+    const int64_t eight = 8, none = 0;
+    char buf[8] = {0}, out[8];
+    *(uly_status *)user = c->alltoallv(c->ctx, buf, &eight, NULL, out, &eight, &none, NULL);
+}
+
+TEST(local_alltoallv_rejects_null_offsets) {
+    uly_status got;
+    CHECK(uly_local_run(1, null_offsets, &got).code == ULY_OK, "local_run");
+    check_status(NULL, got, ULY_EINVAL, "a count or offset array is NULL", "send_offs NULL");
+}
+
+/* Rank 1 returns at once; rank 0's barrier, before or after that, fails instead of waiting. */
+static void barrier_alone(const uly_comm *c, void *user) {
+    if (c->rank == 0) *(uly_status *)user = c->barrier(c->ctx);
+}
+
+TEST(local_barrier_fails_once_a_peer_has_returned) {
+    uly_status got;
+    CHECK(uly_local_run(2, barrier_alone, &got).code == ULY_OK, "local_run");
+    check_status(NULL, got, ULY_ECOMM, "rank 1 has returned", "barrier without rank 1");
+}
+
+/* Ranks that sum 4 and 2 values: both fail, and neither buffer is touched (each holds only its
+   own count). */
+typedef struct count_run {
+    double *buf[2];
+    uly_status st[2];
+} count_run;
+
+static void sum_4_and_2(const uly_comm *c, void *user) {
+    count_run *run = (count_run *)user;
+    run->st[c->rank] = c->allreduce_sum(c->ctx, run->buf[c->rank], c->rank ? 2 : 4, NULL);
+}
+
+TEST(local_allreduce_of_counts_that_differ_fails_every_rank_and_sums_nothing) {
+    count_run run;
+    memset(&run, 0, sizeof run);
+    run.buf[0] = (double *)malloc(4 * sizeof(double));
+    run.buf[1] = (double *)malloc(2 * sizeof(double));
+    for (int i = 0; i < 4; i++) run.buf[0][i] = 1;
+    for (int i = 0; i < 2; i++) run.buf[1][i] = 2;
+    CHECK(uly_local_run(2, sum_4_and_2, &run).code == ULY_OK, "local_run");
+    for (int r = 0; r < 2; r++)
+        check_status(NULL, run.st[r], ULY_ECOMM, "sums", r ? "rank 1" : "rank 0");
+    int touched = 0;
+    for (int i = 0; i < 4; i++) touched += run.buf[0][i] != 1;
+    for (int i = 0; i < 2; i++) touched += run.buf[1][i] != 2;
+    CHECK(!touched, "%d elements changed", touched);
+    free(run.buf[0]), free(run.buf[1]);
 }
 
 TEST(local_run_rejects_a_null_function) {
