@@ -476,4 +476,20 @@ TEST(loss_reduce_gives_every_rank_sum_all_over_count_all) {
     }
 }
 
+/* One valid token in all: the mean is its loss, the scale 1. */
+static void one_token_rank(const uly_comm *comm, void *user) {
+    reduce_job *j = (reduce_job *)user;
+    const int r = comm->rank;
+    j->st[r] = uly_loss_reduce(comm, r ? 0 : 2.5, r ? 0 : 1, &j->mean[r], &j->scale[r]);
+}
+
+TEST(loss_reduce_of_one_valid_token_gives_its_loss) {
+    reduce_job j;
+    memset(&j, 0, sizeof j);
+    CHECK(uly_local_run(3, one_token_rank, &j).code == ULY_OK, "local_run");
+    for (int r = 0; r < 3; r++)
+        CHECK(j.st[r].code == ULY_OK && j.mean[r] == 2.5 && j.scale[r] == 1,
+              "rank %d: '%s', mean %g, scale %g", r, j.st[r].msg, j.mean[r], j.scale[r]);
+}
+
 int main(void) { return uly_run_tests(); }
