@@ -32,9 +32,9 @@ EMU_CXXFLAGS = $(CXXFLAGS) -Itests -isystem $(CUDA_HOME)/include
 # references and launches, which -O1 builds in half the time of -O3.
 NVCCFLAGS = -std=c++17 -O1 -I. -Itests -Werror all-warnings -Xcompiler -Wall,-Wextra
 NVARCH   = -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
-# test_flash (whose ptxas report make test reads for spills), the NCCL example and the
-# benchmarks build every kernel for both; the other GPU test programs, the same kernels, build
-# for the GPU here (sm_90 without one), which is all make test-gpu runs them on.
+# test_flash (whose ptxas report make test reads for spills) and the benchmarks build every
+# kernel for both; the other GPU programs (tests, the NCCL example), the same kernels, build for
+# the GPU here (sm_90 without one), which is all make test-gpu runs them on.
 GPU_SM  := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | \
                    head -n 1 | tr -d .)
 TESTARCH = -arch=sm_$(or $(GPU_SM),90)
@@ -284,7 +284,7 @@ $(CUDA_TESTS:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: tests/%.cu $(CUDA_HDRS)
 	$(NVCC) $(NVCCFLAGS) $(TESTARCH) -x cu $< -o $@
 $(BUILD)/gpu/sp_attention_nccl: examples/sp_attention_nccl.cu $(CUDA_HDRS)
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCCFLAGS) $(NVARCH) $(NCCL_INC) $(MPI_CUFLAGS) -x cu $< -o $@ $(MPI_CULIBS) \
+	$(NVCC) $(NVCCFLAGS) $(TESTARCH) $(NCCL_INC) $(MPI_CUFLAGS) -x cu $< -o $@ $(MPI_CULIBS) \
 	    $(NCCL_LIBS)
 $(BUILD)/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
