@@ -60,6 +60,8 @@
        split across SP ranks (q_head0, kv_group), Sq != Sk, any lengths up to 4194240 (65535
        blocks of 64 rows), strided q/k/v/o (last dim contiguous, rows 16-byte aligned), lse fp32
        [B, H, Sq]. Fully masked rows give 0 and lse = +inf, never NaN; a deterministic mode.
+       The softmax runs in log2 units, as FlashAttention's: softmax_scale >= 0, and scaled
+       logits (q.k x scale) within FLT_MAX / log2(e), about 2.4e38, in magnitude.
        uly_flash_varlen_* run packed documents (cu_seqlens), and uly_flash_varlen_attention()
        runs them through the SP layer. uly_cublaslt_attention()
        (ULYSSES_CUBLASLT) is the unfused cuBLASLt path: the GPU-side second reference, and the
@@ -2231,9 +2233,9 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED,
                "q.b (%lld), q.h (%lld): at most 65535 each (grid y and z dims)", ULY__LL(a->q.b),
                ULY__LL(a->q.h));
-    ULY__CHECK(a->softmax_scale >= 0, ULY_EUNSUPPORTED,
-               "softmax_scale (%g): the flash kernels take a positive scale (0: 1/sqrt(D))",
-               (double)a->softmax_scale);
+    ULY__CHECK(a->softmax_scale >= 0 && isfinite(uly__scale(a) * ULY__LOG2E), ULY_EUNSUPPORTED,
+               "softmax_scale (%g): the flash kernels take a scale >= 0 (0: 1/sqrt(D)) whose "
+               "product with log2(e) is a finite float", (double)a->softmax_scale);
     if (backward) ULY__TRY(uly__check_workspace(a, uly__fa_workspace(NULL, a), 16));
     ULY__CHECK(!vl || ((uintptr_t)vl->cu_seqlens_q % 4 == 0 &&
                        (uintptr_t)vl->cu_seqlens_k % 4 == 0),

@@ -583,12 +583,19 @@ TEST(misuse_tests_start_from_args_that_run) {
 }
 
 /* The kernels take a positive scale (0: 1/sqrt(D)); a negative one is refused, not run. */
-TEST(rejects_a_negative_softmax_scale) {
+/* The softmax runs in log2 units: a scale whose product with log2(e) overflows a float would
+   turn every row into NaN (0 x inf), so it is refused; one just below is taken. */
+TEST(rejects_a_negative_softmax_scale_or_one_that_overflows_in_log2_units) {
     flash_args f = valid_args(2, 16, 2);
     const uly_attn fa = uly_flash_attention();
-    f.a.softmax_scale = -0.5f;
-    expect_status(fa.fwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "softmax_scale", "forward");
-    expect_status(fa.bwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "softmax_scale", "backward");
+    for (float scale : {-0.5f, 3e38f}) {
+        f.a.softmax_scale = scale;
+        expect_status(fa.fwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "softmax_scale", "forward");
+        expect_status(fa.bwd(fa.ctx, &f.a), ULY_EUNSUPPORTED, "softmax_scale", "backward");
+    }
+    f.a.softmax_scale = 2e38f;
+    const uly_status st = fa.check(fa.ctx, &f.a, 1);
+    CHECK(!st.code, "softmax_scale 2e38: '%s'", st.msg);
     free_args(f);
 }
 
