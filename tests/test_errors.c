@@ -803,6 +803,15 @@ TEST(attn_check_accepts_a_kv_group_that_maps_a_head_slice_into_k) {
     CHECK(st.code == ULY_OK, "%s", st.msg);
 }
 
+TEST(attn_check_accepts_the_last_head_slice_int64_can_number) {
+    /* q_head0 + q.h == INT64_MAX, one kv head a query head */
+    uly_attn_args a = good_args();
+    a.k = a.v = a.q, a.dk = a.dv = a.dq;
+    a.kv_group = 1, a.q_head0 = INT64_MAX - AH;
+    uly_status st = uly_attn_check(&a, 1);
+    CHECK(st.code == ULY_OK, "%s", st.msg);
+}
+
 TEST(attn_check_rejects_each_broken_contract_rule_with_its_field) {
     uly_attn_args ok = good_args();
     uly_status st = uly_attn_check(&ok, 1);
