@@ -831,6 +831,81 @@ TEST(ex2_follows_the_ptx_isa) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// cvt.rn.bf16x2.f32 and cvt.rn.f16x2.f32, as the kernels pack two results into a word
+// (__floats2bfloat162_rn, __floats2half2_rn): the first float in the low half, each rounded to
+// nearest even (PTX ISA, cvt), subnormals kept, a NaN still a NaN.
+
+__global__ void pack2_probe(const float *x, uint32_t *bf, uint32_t *h, int n) {
+    const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= n) return;
+    const __nv_bfloat162 b = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+    const __half2 f = __floats2half2_rn(x[2 * i], x[2 * i + 1]);
+    memcpy(&bf[i], &b, 4);
+    memcpy(&h[i], &f, 4);
+}
+
+static uint32_t f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
+// The top 16 bits, rounded to nearest even on the 16 below.
+static uint16_t bf16_rne(float x) {
+    const uint32_t u = f32_bits(x);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+// 1 sign, 5 exponent (bias 15), 10 mantissa bits; below 2^-14, multiples of 2^-24.
+static uint16_t f16_rne(float x) {
+    const uint32_t u = f32_bits(x), sign = (u >> 16) & 0x8000, a = u & 0x7fffffff;
+    if (a >= f32_bits(65520.f)) return (uint16_t)(sign | 0x7c00); /* 65504 + half an ulp */
+    if (a < f32_bits(0x1p-14f)) /* m x 2^-24, m to nearest even (a carry makes 2^-14) */
+        return (uint16_t)(sign | (uint32_t)nearbyint(std::fabs(x) * 0x1p24));
+    uint32_t h = ((a >> 23) - 112) << 10 | (a & 0x7fffff) >> 13, rest = a & 0x1fff;
+    h += rest > 0x1000 || (rest == 0x1000 && (h & 1)); /* a carry moves into the exponent */
+    return (uint16_t)(sign | h);
+}
+
+static bool is_nan16(uint16_t b, bool bf16) {
+    return bf16 ? (b & 0x7f80) == 0x7f80 && (b & 0x7f) : (b & 0x7c00) == 0x7c00 && (b & 0x3ff);
+}
+
+TEST(pack2_puts_the_first_float_low_and_rounds_to_nearest_even) {
+    std::vector<float> x = {1.f, 2.f,                      /* 0x3f80, 0x4000; 0x3c00, 0x4000 */
+                            1.f + 0x1p-8f, 1.f + 0x3p-8f,  /* bf16 ties: to even, down, up */
+                            1.f + 0x1p-11f, 1.f + 0x3p-11f, /* f16 ties */
+                            65519.f, 65520.f, 0x1p-25f, 0x3p-25f, 1e-30f, -0.f,
+                            INFINITY, -INFINITY, 3.4e38f, -3.4e38f, NAN, -NAN};
+    while (x.size() < 2 * 4096) { /* any bits: random exponents and mantissas */
+        const uint32_t u = (uint32_t)small_int(0, 0xffff) << 16 | (uint32_t)small_int(0, 0xffff);
+        float f;
+        memcpy(&f, &u, 4);
+        x.push_back(f);
+    }
+    const int n = (int)x.size() / 2;
+    float *dx = upload(x);
+    uint32_t *dbf = device_zeros<uint32_t>(n), *dh = device_zeros<uint32_t>(n);
+    ULY_LAUNCH(pack2_probe, (unsigned)(n + 127) / 128, 128, 0, 0, dx, dbf, dh, n);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    const std::vector<uint32_t> bf = download(dbf, n), h = download(dh, n);
+    int wrong = 0;
+    for (int i = 0; i < 2 * n; i++) {
+        const uint16_t gb = (uint16_t)(bf[i / 2] >> 16 * (i % 2));
+        const uint16_t gh = (uint16_t)(h[i / 2] >> 16 * (i % 2));
+        const bool nan = std::isnan(x[i]);
+        const bool ok = nan ? is_nan16(gb, true) && is_nan16(gh, false)
+                            : gb == bf16_rne(x[i]) && gh == f16_rne(x[i]);
+        if (!ok && wrong++ < 8)
+            CHECK(ok, "%s half of word %d, %a: bf16 0x%04x want 0x%04x, f16 0x%04x want 0x%04x",
+                  i % 2 ? "high" : "low", i / 2, (double)x[i], gb, bf16_rne(x[i]), gh,
+                  f16_rne(x[i]));
+    }
+    CHECK(wrong == 0, "%d of %d conversions wrong", wrong, 2 * n);
+    cudaFree(dx), cudaFree(dbf), cudaFree(dh);
+}
+
+// ---------------------------------------------------------------------------------------------
 // cp.async: groups, zero fill, waits.
 
 // Thread t copies 16 bytes with src_bytes = t % 17 (0 = all zeros), then 8 and 4 bytes whole.
