@@ -1251,8 +1251,10 @@ TEST(nonblocking_call_that_never_completes_is_ecomm_after_the_timeout) {
 
 /* The caller's own call on a non-blocking communicator answers ncclInProgress until NCCL's
    thread has queued its work, so an idle stream is not yet done: uly_nccl_wait returns once
-   NCCL answers success. */
+   NCCL answers success. When the call never completes on rank 0 (stall: a peer that never
+   arrives), its wait gives up after the timeout, though its stream is idle. */
 typedef struct own_call_job {
+    int stall;
     ncclResult_t answer[2], after[2];
     uly_status st[2];
 } own_call_job;
@@ -1265,47 +1267,34 @@ static void own_call_main(const uly_comm *c, void *user) {
     cudaStreamCreate(&s);
     cudaMalloc((void **)&dev, sizeof(double));
     cudaMemset(dev, 0, sizeof(double));
+    if (j->stall && r == 0) uly_emu_nccl_stall(nccl_of(c));
     j->answer[r] = ncclAllReduce(dev, dev, 1, ncclFloat64, ncclSum, nccl_of(c), s);
-    j->st[r] = uly_nccl_wait(nccl_of(c), s, 0);
+    j->st[r] = uly_nccl_wait(nccl_of(c), s, j->stall ? 0.05 : 0);
     j->after[r] = ncclInProgress;
     ncclCommGetAsyncError(nccl_of(c), &j->after[r]);
     cudaFree(dev);
     cudaStreamDestroy(s);
 }
 
-TEST(wait_on_a_nonblocking_call_returns_once_nccl_has_queued_its_work) {
+static own_call_job run_own_call(int stall) {
     own_call_job j;
     memset(&j, 0, sizeof j);
+    j.stall = stall;
     const uly_status st = nccl_run_nonblocking(2, own_call_main, &j);
     CHECK(!st.code, "%s", st.msg);
+    return j;
+}
+
+TEST(wait_on_a_nonblocking_call_returns_once_nccl_has_queued_its_work) {
+    const own_call_job j = run_own_call(0);
     for (int r = 0; r < 2; r++)
         CHECK(j.answer[r] == ncclInProgress && !j.st[r].code && j.after[r] == ncclSuccess,
               "rank %d: ncclAllReduce answered %d, uly_nccl_wait '%s', then NCCL says '%s'", r,
               (int)j.answer[r], j.st[r].msg, ncclGetErrorString(j.after[r]));
 }
 
-/* The same call never completing on rank 0 (a peer that never arrives): its wait gives up
-   after the timeout, though its stream is idle. */
-static void own_stall_main(const uly_comm *c, void *user) {
-    own_call_job *j = (own_call_job *)user;
-    const int r = c->rank;
-    double *dev;
-    cudaStream_t s;
-    cudaStreamCreate(&s);
-    cudaMalloc((void **)&dev, sizeof(double));
-    cudaMemset(dev, 0, sizeof(double));
-    if (r == 0) uly_emu_nccl_stall(nccl_of(c));
-    j->answer[r] = ncclAllReduce(dev, dev, 1, ncclFloat64, ncclSum, nccl_of(c), s);
-    j->st[r] = uly_nccl_wait(nccl_of(c), s, 0.05);
-    cudaFree(dev);
-    cudaStreamDestroy(s);
-}
-
 TEST(wait_on_a_nonblocking_call_that_never_completes_gives_up_after_the_timeout) {
-    own_call_job j;
-    memset(&j, 0, sizeof j);
-    const uly_status st = nccl_run_nonblocking(2, own_stall_main, &j);
-    CHECK(!st.code, "%s", st.msg);
+    const own_call_job j = run_own_call(1);
     CHECK(j.st[0].code == ULY_ECOMM &&
               !strncmp(j.st[0].msg, "uly_nccl_wait: NCCL's call still in progress after", 50) &&
               strstr(j.st[0].msg, "ncclCommAbort it"),
