@@ -723,7 +723,8 @@ TEST(rejects_an_uninitialized_plan_or_exchange) {
    alignment is asked), with D = 16 and a 16-byte aligned tensor base, takes single-element
    accesses, and still follows the formulas bit for bit. */
 static void check_padded(const lcase *c, int rank, uly_dtype t, uly_xchg x, int unpack,
-                         int64_t pad_sb, int64_t pad_ss, int64_t buf_shift) {
+                         int64_t pad_sb, int64_t pad_ss, int64_t buf_shift, int64_t pad_sh = 0,
+                         int want_bytes = 0 /* the element size */) {
     uly_plan p;
     const uly_status ps = plan_of(c, rank, t, &p);
     CHECK(!ps.code, "plan: %s", ps.msg);
@@ -731,7 +732,7 @@ static void check_padded(const lcase *c, int rank, uly_dtype t, uly_xchg x, int 
     const int64_t es = uly_dtype_size(t);
     const side sd = side_of(&p, c, rank, x, unpack);
     uly_tensor v = tensor_in(NULL, DENSE, t, c, sd);
-    v.ss += pad_ss, v.sb = sd.s * v.ss + pad_sb;
+    v.sh += pad_sh, v.ss = v.h * v.sh + pad_ss, v.sb = sd.s * v.ss + pad_sb;
     buf tb = buf_new(c->B * v.sb * es);
     buf xb = buf_new((unpack ? uly_recv_bytes(&p, x) : uly_send_bytes(&p, x)) + buf_shift * es);
     buf_fill(&tb, t, 7);
@@ -754,11 +755,12 @@ static void check_padded(const lcase *c, int rank, uly_dtype t, uly_xchg x, int 
           (long long)buf_shift, st[CPU].msg, st[GPU].msg, cudaGetErrorString(e), (long long)cpu,
           (long long)gpu);
     CHECK(!ops.empty(), "%s %s: nothing launched", unpack ? "unpack" : "pack", xnames[x]);
+    const int bytes = want_bytes ? want_bytes : (int)es;
     for (const uly_emu_op &op : ops)
-        CHECK(is_box_copy(t, op.kernel, (int)es), "%s %s, %s, pad sb %lld ss %lld buf %lld: "
-              "launched %s, want the box kernel of single-element accesses",
-              unpack ? "unpack" : "pack", xnames[x], dtype_name(t), (long long)pad_sb,
-              (long long)pad_ss, (long long)buf_shift, op.what);
+        CHECK(is_box_copy(t, op.kernel, bytes), "%s %s, %s, pad sb %lld ss %lld sh %lld buf %lld: "
+              "launched %s, want the box kernel of %d-byte accesses", unpack ? "unpack" : "pack",
+              xnames[x], dtype_name(t), (long long)pad_sb, (long long)pad_ss, (long long)pad_sh,
+              (long long)buf_shift, op.what, bytes);
     buf_free(&tb);
     buf_free(&xb);
 }
@@ -773,6 +775,19 @@ TEST(padded_strides_and_shifted_buffers_take_element_accesses) {
                     check_padded(&c, r, dtypes[t], (uly_xchg)x, unpack, 0, 1, 0);
                     check_padded(&c, r, dtypes[t], (uly_xchg)x, unpack, 0, 0, 1);
                 }
+}
+
+/* Heads padded apart (sh > D): no access wider than the head stride allows, nor than a row.
+   D 16 with sh 17: element accesses. f32 D 2 with sh 4 (rows of 8 bytes, 16 apart): 8 bytes. */
+TEST(padded_head_strides_take_the_accesses_they_allow) {
+    const lcase c16 = {2, 2, 8, 4, 1, 16}, c2 = {2, 2, 8, 4, 1, 2};
+    for (int r = 0; r < 2; r++)
+        for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
+            for (int unpack = 0; unpack < 2; unpack++) {
+                for (int t = 0; t < 3; t++)
+                    check_padded(&c16, r, dtypes[t], (uly_xchg)x, unpack, 0, 0, 0, 1);
+                check_padded(&c2, r, ULY_F32, (uly_xchg)x, unpack, 0, 0, 0, 2, 8);
+            }
 }
 
 /* The grid of boxes_larger_than_the_grid is at most ULY__COPY_BLOCKS blocks in all (columns
