@@ -838,9 +838,11 @@ TEST(device_local_bad_arguments_on_one_rank_fail_every_rank) {
 }
 
 /* allreduce_sum fails every rank alike, so that none pairs the failed call with its peers'
-   next one; each time the next call, 1 value on every rank, sums right. */
+   next one (and of nothing, NULL everywhere, succeeds); each time the next call, 1 value on
+   every rank, sums right. */
 typedef struct sum_job {
     int64_t n[4];  /* each rank's count (-1: a bad argument) */
+    int null_buf;  /* the ranks (bits) that pass buf NULL */
     int fail_copy; /* the rank whose copies fail (-1: none) */
     uly_status st[4], next[4];
     double got[4];
@@ -858,7 +860,7 @@ static void sum_main(const uly_comm *c, void *user) {
     if (r == j->fail_copy) /* the thread's last error, which the emulator's next copy returns */
         cudaFuncSetAttribute((const void *)uly__ref_fwd<float>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, -1);
-    j->st[r] = c->allreduce_sum(c->ctx, dev, j->n[r], s);
+    j->st[r] = c->allreduce_sum(c->ctx, j->null_buf >> r & 1 ? NULL : dev, j->n[r], s);
     (void)cudaGetLastError();
     j->next[r] = c->allreduce_sum(c->ctx, dev, 1, s);
     cudaMemcpy(&j->got[r], dev, sizeof(double), cudaMemcpyDeviceToHost);
@@ -870,16 +872,19 @@ TEST(device_local_allreduce_fails_every_rank_alike) {
     static const struct {
         const char *what;
         int64_t n[4];
-        int fail_copy, bad;
+        int null_buf, fail_copy, bad; /* bad -1: every rank succeeds */
         uly_code code;
         const char *bad_says, *others_say;
     } cases[] = {
-        {"counts 64, 64, 100, 64 (one chunk in common)", {64, 64, 100, 64}, -1, 2, ULY_ECOMM,
+        {"counts 64, 64, 100, 64 (one chunk in common)", {64, 64, 100, 64}, 0, -1, 2, ULY_ECOMM,
          "rank 0 sums 64 values, rank 2 100", "rank 2 sums 100 values"},
-        {"n = -1 on rank 0", {-1, 3, 3, 3}, -1, 0, ULY_EINVAL, "n (-1) must be >= 0",
+        {"n = -1 on rank 0", {-1, 3, 3, 3}, 0, -1, 0, ULY_EINVAL, "n (-1) must be >= 0",
          "rank 0 failed"},
+        {"buf NULL with 3 values on rank 0", {3, 3, 3, 3}, 1, -1, 0, ULY_EINVAL, "buf not NULL",
+         "rank 0 failed"},
+        {"nothing to sum, buf NULL everywhere", {0, 0, 0, 0}, 15, -1, -1, ULY_OK, "", ""},
 #ifdef ULY_EMU
-        {"rank 1's copy fails", {100, 100, 100, 100}, 1, 1, ULY_ECUDA,
+        {"rank 1's copy fails", {100, 100, 100, 100}, 0, 1, 1, ULY_ECUDA,
          "device-local allreduce_sum", "1 rank(s) could not copy their values"},
 #endif
     };
@@ -887,12 +892,13 @@ TEST(device_local_allreduce_fails_every_rank_alike) {
         sum_job j;
         memset(&j, 0, sizeof j);
         memcpy(j.n, k.n, sizeof j.n);
-        j.fail_copy = k.fail_copy;
+        j.null_buf = k.null_buf, j.fail_copy = k.fail_copy;
         const uly_status st = uly_cuda_local_run(4, sum_main, &j);
         CHECK(!st.code, "%s: %s", k.what, st.msg);
         for (int r = 0; r < 4; r++) {
             const char *says = r == k.bad ? k.bad_says : k.others_say;
-            CHECK(j.st[r].code == (r == k.bad ? k.code : ULY_ECOMM) && strstr(j.st[r].msg, says),
+            const uly_code want = k.bad < 0 ? ULY_OK : r == k.bad ? k.code : ULY_ECOMM;
+            CHECK(j.st[r].code == want && strstr(j.st[r].msg, says),
                   "%s: rank %d: code %d '%s', want '%s'", k.what, r, (int)j.st[r].code,
                   j.st[r].msg, says);
             CHECK(!j.next[r].code && j.got[r] == 10, "%s: rank %d, the next call: '%s', sum %g",
