@@ -674,6 +674,21 @@ TEST(rejects_null_tensor) {
     bad_free(&b);
 }
 
+#ifdef ULY_EMU
+/* A launch that fails is ULY_ECUDA, not success: here the thread's last error, from an invalid
+   attribute, is what the emulator's launch check reads. */
+TEST(a_failed_launch_is_ecuda) {
+    bad b = bad_new();
+    uly_layout l = uly_cuda_layout();
+    cudaFuncSetAttribute((const void *)uly__ref_fwd<float>,
+                         cudaFuncAttributeMaxDynamicSharedMemorySize, -1);
+    check_rejects(l.pack(l.ctx, &b.p, ULY_X_Q, b.q, b.x.at[GPU], NULL), ULY_ECUDA,
+                  "layout kernel launch");
+    (void)cudaGetLastError();
+    bad_free(&b);
+}
+#endif
+
 TEST(rejects_null_exchange_buffer) {
     bad b = bad_new();
     uly_layout l = uly_cuda_layout();
