@@ -681,6 +681,47 @@ TEST(device_local_allreduce_of_host_memory_waits_for_the_stream) {
               j.st[r].msg, j.got[r]);
 }
 
+#ifdef ULY_EMU
+/* alltoallv is ordered on the streams both ways: the copies wait for what each sender queued
+   before the call (its send buffer is filled on its stream after a sleep), and what a sender
+   queues after the call (a memset over its send buffer) waits for every peer's copies (rank 1's
+   stream sleeps longer, so its copies run last). */
+typedef struct order_job {
+    int64_t wrong[4];
+    uly_status st[4];
+} order_job;
+
+static void order_main(const uly_comm *c, void *user) {
+    order_job *j = (order_job *)user;
+    const int P = c->size, r = c->rank;
+    int64_t cnt[4], off[4];
+    unsigned char host[16], *stage, *send, *recv;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    cudaMalloc((void **)&stage, 16), cudaMalloc((void **)&send, 16), cudaMalloc((void **)&recv, 16);
+    for (int q = 0; q < P; q++) cnt[q] = 4, off[q] = 4 * q, memset(host + 4 * q, 16 * r + q, 4);
+    cudaMemcpy(stage, host, 16, cudaMemcpyHostToDevice);
+    cudaMemset(send, 0, 16), cudaMemset(recv, 0, 16);
+    sleep_on_stream(s, r == 1 ? 100 : 20);
+    cudaMemcpyAsync(send, stage, 16, cudaMemcpyDeviceToDevice, s);
+    j->st[r] = c->alltoallv(c->ctx, send, cnt, off, recv, cnt, off, s);
+    cudaMemsetAsync(send, 0xee, 16, s);
+    cudaStreamSynchronize(s);
+    cudaMemcpy(host, recv, 16, cudaMemcpyDeviceToHost);
+    for (int q = 0; q < P; q++)
+        for (int b = 0; b < 4; b++) j->wrong[r] += host[4 * q + b] != 16 * q + r;
+    cudaFree(stage), cudaFree(send), cudaFree(recv);
+    cudaStreamDestroy(s);
+}
+
+TEST(device_local_alltoallv_is_ordered_on_the_streams_both_ways) {
+    const order_job j = run_job<order_job>(uly_cuda_local_run, 4, order_main);
+    for (int r = 0; r < 4; r++)
+        CHECK(!j.st[r].code && !j.wrong[r], "rank %d: '%s', %lld of 16 bytes wrong", r,
+              j.st[r].msg, (long long)j.wrong[r]);
+}
+#endif
+
 TEST(device_local_count_mismatch_is_an_error_not_a_hang) {
     comm_job j;
     memset(&j, 0, sizeof j);
