@@ -674,6 +674,38 @@ TEST(rejects_null_tensor) {
     bad_free(&b);
 }
 
+/* A kv head with one copy keeps its bits in the DKV unpack, NaN payload included, as the CPU
+   layout does; copies that are summed give the canonical NaN. P 2, H 6, Hkv 3, rank 0: kv
+   heads 0 and 2 have one copy each, kv head 1 one from each rank. */
+TEST(dkv_unpack_keeps_a_lone_copys_nan_payload_as_the_cpu_layout) {
+    const lcase c = {2, 1, 4, 6, 3, 8};
+    uly_plan p;
+    CHECK(!plan_of(&c, 0, ULY_BF16, &p).code, "plan");
+    uly_tensor v = tensor_in(NULL, DENSE, ULY_BF16, &c, side_of(&p, &c, 0, ULY_X_DKV, 1));
+    buf tb = buf_new(c.B * v.sb * 2), xb = buf_new(uly_recv_bytes(&p, ULY_X_DKV));
+    const std::vector<uint16_t> nan((size_t)xb.bytes / 2, 0x7f81);
+    memcpy(xb.at[CPU], nan.data(), (size_t)xb.bytes);
+    cudaMemcpy(xb.at[GPU], nan.data(), (size_t)xb.bytes, cudaMemcpyHostToDevice);
+    for (int i = CPU; i <= GPU; i++) {
+        v.data = tb.at[i];
+        const uly_status st = layout_move(layout_of(i), &p, ULY_X_DKV, 1, v, xb.at[i], 0);
+        CHECK(!st.code, "%s: %s", i == CPU ? "cpu" : "gpu", st.msg);
+    }
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "the unpack failed");
+    memcpy(tb.at[WANT], tb.at[CPU], (size_t)tb.bytes);
+    int64_t lone = 0, summed = 0;
+    for (int64_t i = 0; i < tb.bytes / 2; i++) {
+        uint16_t h;
+        memcpy(&h, tb.at[CPU] + 2 * i, 2);
+        lone += h == 0x7f81, summed += h == 0x7fff;
+    }
+    const int64_t differ = buf_diff(&tb, GPU);
+    CHECK(lone && summed && !differ, "cpu: %lld lone copies kept, %lld sums canonical; %lld bytes "
+          "of the gpu layout's differ", (long long)lone, (long long)summed, (long long)differ);
+    buf_free(&tb);
+    buf_free(&xb);
+}
+
 #ifdef ULY_EMU
 /* A launch that fails is ULY_ECUDA, not success: here the thread's last error, from an invalid
    attribute, is what the emulator's launch check reads. */
