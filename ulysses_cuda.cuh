@@ -857,7 +857,8 @@ static uly_status uly__dl_allreduce(void *ctx, double *buf, int64_t n, void *str
                               : uly__err(ULY_ECOMM, "allreduce_sum: rank %d sums %lld values, "
                                          "rank %d %lld", i, ULY__LL(count[i]), host->rank,
                                          ULY__LL(n));
-    if (st.code || !device) return st.code ? st : host->allreduce_sum(host->ctx, buf, n, NULL);
+    if (st.code) return st;
+    if (!device) return host->allreduce_sum(host->ctx, buf, n, NULL);
     cudaError_t e = cudaSuccess;
     double failed = 0;
     for (int64_t at = 0; at < n && !failed; at += ULY__DL_CHUNK) {
@@ -980,10 +981,12 @@ static uly_status uly__nccl_ready(ncclComm_t comm, ncclResult_t r, double timeou
     return uly__nccl(r, comm, what);
 }
 
-/* A failed or in-flight-broken communicator says so here, not in a hang at the next call. */
-static uly_status uly__nccl_async(ncclComm_t comm, const char *what) {
+/* A failed or in-flight-broken communicator says so here, not in a hang at the next call.
+   *state (unless NULL) gets NCCL's answer, ncclInProgress while a non-blocking call is queued. */
+static uly_status uly__nccl_async(ncclComm_t comm, const char *what, ncclResult_t *state) {
     ncclResult_t async = ncclSuccess;
     ULY__TRY(uly__nccl(ncclCommGetAsyncError(comm, &async), comm, what));
+    if (state) *state = async;
     return async == ncclInProgress ? uly__ok() : uly__nccl(async, comm, what);
 }
 
@@ -1002,10 +1005,7 @@ static uly_status uly__nccl_wait(ncclComm_t comm, void *stream, double timeout_s
         if (q == cudaErrorNotReady && cudaPeekAtLastError() == cudaErrorNotReady)
             (void)cudaGetLastError();
         ncclResult_t async = ncclSuccess;
-        uly_status st = uly__nccl(ncclCommGetAsyncError(comm, &async), comm,
-                                  "ncclCommGetAsyncError");
-        if (!st.code && async != ncclInProgress)
-            st = uly__nccl(async, comm, "the communicator's asynchronous error");
+        uly_status st = uly__nccl_async(comm, "ncclCommGetAsyncError", &async);
         if (!st.code && q == cudaSuccess && async == ncclSuccess) return st;
         const double waited = uly__since(&t0);
         if (!st.code && timeout_s > 0 && waited > timeout_s)
@@ -1047,7 +1047,7 @@ static uly_status uly__nccl_alltoallv(void *ctx, const void *send, const int64_t
     const ncclResult_t end = ncclGroupEnd(); /* always closes the group */
     ULY__TRY(uly__nccl(r, n->comm, "alltoallv: ncclSend/ncclRecv"));
     ULY__TRY(uly__nccl_ready(n->comm, end, n->timeout_s, "alltoallv: ncclGroupEnd"));
-    return uly__nccl_async(n->comm, "alltoallv");
+    return uly__nccl_async(n->comm, "alltoallv", NULL);
 }
 
 #if ULY_NCCL_ALLTOALL
@@ -1063,7 +1063,7 @@ static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, in
     ULY__TRY(uly__nccl_ready(n->comm, ncclAlltoAll(send, recv, (size_t)bytes, ncclUint8, n->comm,
                                                    (cudaStream_t)stream),
                              n->timeout_s, "alltoall: ncclAlltoAll"));
-    return uly__nccl_async(n->comm, "alltoall");
+    return uly__nccl_async(n->comm, "alltoall", NULL);
 }
 #endif
 
@@ -1074,7 +1074,7 @@ static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStr
     snprintf(call, sizeof call, "%s: ncclAllReduce", what);
     const ncclResult_t r = ncclAllReduce(dev, dev, (size_t)count, ncclFloat64, ncclSum, n->comm, s);
     ULY__TRY(uly__nccl_ready(n->comm, r, n->timeout_s, call));
-    return uly__nccl_async(n->comm, what);
+    return uly__nccl_async(n->comm, what, NULL);
 }
 
 /* The stream of calls given none (see uly_nccl_comm). */
