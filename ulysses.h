@@ -273,7 +273,7 @@ ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_C
 typedef struct uly_attn_args {
     uly_tensor q, k, v, o;
     float *lse;
-    uly_tensor dout, dq, dk, dv; /* backward only */
+    uly_tensor dout, dq, dk, dv; /* backward only; all zero (data NULL) in a forward */
     float softmax_scale;         /* 0 = 1/sqrt(D) */
     int causal;
     int deterministic;           /* bitwise-identical results run to run */

@@ -159,6 +159,15 @@ static void record_phase(void *u, uly_phase ph, int end) {
     (void)u;
     if (nphases < 64) phases[nphases++] = 2 * (int)ph + end;
 }
+/* The CPU attention's forward, noting whether its arguments carried any gradient view. */
+static int fwd_saw_grads;
+static uly_status fwd_seeing_grads(void *ctx, const uly_attn_args *a) {
+    const uly_tensor *g[4] = {&a->dout, &a->dq, &a->dk, &a->dv};
+    for (int i = 0; i < 4; i++)
+        fwd_saw_grads |= g[i]->data || g[i]->b || g[i]->s || g[i]->h || g[i]->d || g[i]->sb ||
+                         g[i]->ss || g[i]->sh || g[i]->dtype;
+    return uly_cpu_attention().fwd(ctx, a);
+}
 static void b1_forward(const uly_comm *c, void *u) {
     uly_status st;
     uly_plan p = plan_of(1, 0, 1, 4, 2, 2, 4, ULY_F32, 0, &st);
@@ -166,7 +175,7 @@ static void b1_forward(const uly_comm *c, void *u) {
     static float x[4 * 4 * 2 * 4];
     memset(&L, 0, sizeof L);
     L.plan = &p, L.comm = c, L.attn = uly_cpu_attention(), L.layout = uly_cpu_layout();
-    L.on_phase = record_phase;
+    L.attn.fwd = fwd_seeing_grads, L.on_phase = record_phase;
     L.workspace_bytes = uly_layer_workspace(&L), L.workspace = malloc((size_t)L.workspace_bytes);
     void *saved = malloc((size_t)uly_saved_bytes(&p));
     *(uly_status *)u =
@@ -199,6 +208,15 @@ TEST(with_B_1_the_head_layout_side_of_each_exchange_is_not_copied) {
           first_difference(phases, want, nphases < NWANT ? nphases : NWANT));
 }
 
+/* uly_attn_args promises a forward's attention all-zero gradient views. */
+TEST(a_forward_attention_gets_no_gradient_views) {
+    uly_status st = stub("not run");
+    fwd_saw_grads = 0;
+    uly_local_run(1, b1_forward, &st);
+    CHECK(!st.code && !fwd_saw_grads, "%s: gradient views %s", st.msg,
+          fwd_saw_grads ? "set" : "zero");
+}
+
 /* ---- attention ---- */
 TEST(attention_of_scores_beyond_expf_range_is_finite) {
     static float q[2 * 8], k[2 * 8], v[2 * 8], o[2 * 8], lse[2];
@@ -215,7 +233,7 @@ TEST(attention_of_scores_beyond_expf_range_is_finite) {
     for (int i = 0; i < 16; i++) k[i] = -10; /* every score -283: exp underflows without the max */
     st = at.fwd(at.ctx, &a);
     CHECK(!st.code && o[0] == 0.5f && isfinite(lse[0]), "%s: o %g lse %g", st.msg, o[0], lse[0]);
-    a.workspace_bytes -= 1; 
+    a.workspace_bytes -= 1;
     CHECK(at.fwd(at.ctx, &a).code == ULY_EINVAL, "workspace one byte short accepted");
     free(a.workspace);
 }
