@@ -2377,8 +2377,12 @@ ULYDEF uly_attn uly_flash_attention(void) {
     return at;
 }
 
-static uly_status uly__fa_varlen(const uly_attn_args *a, const uly_varlen *v, int backward) {
+static uly_status uly__fa_has_varlen(const uly_varlen *v) {
     ULY__CHECK(v, ULY_EINVAL, "varlen: the uly_varlen is NULL");
+    return uly__ok();
+}
+static uly_status uly__fa_varlen(const uly_attn_args *a, const uly_varlen *v, int backward) {
+    ULY__TRY(uly__fa_has_varlen(v));
     return uly__fa_run(a, v, backward);
 }
 ULYDEF uly_status uly_flash_varlen_fwd(const uly_attn_args *a, const uly_varlen *v) {
@@ -2397,7 +2401,7 @@ static uly_status uly__fa_varlen_bwd(void *ctx, const uly_attn_args *a) {
 }
 static uly_status uly__fa_varlen_check(void *ctx, const uly_attn_args *a, int backward) {
     uly__fa_params p;
-    ULY__CHECK(ctx, ULY_EINVAL, "varlen: the uly_varlen is NULL");
+    ULY__TRY(uly__fa_has_varlen((const uly_varlen *)ctx));
     return uly__fa_setup(a, (const uly_varlen *)ctx, backward, &p);
 }
 
