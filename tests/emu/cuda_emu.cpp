@@ -272,6 +272,10 @@ thread_local std::shared_ptr<Host> host = std::make_shared<Host>();
 // host thread, as each rank thread models its own GPU; a few bytes a call until the next reset.
 thread_local std::vector<uly_emu_op> recorded_ops;
 thread_local unsigned long long recorded_allocs = 0;
+// uly_emu_fail_call's: the call to fail, the calls of it still to let through, the error.
+thread_local const char *fail_what = nullptr;
+thread_local int fail_skip = 0;
+thread_local cudaError_t fail_error = cudaSuccess;
 std::atomic<bool> quiet{false};
 std::atomic<unsigned long long> total_switches{0};
 std::atomic<unsigned long long> ldmatrix_conflicts{0};
@@ -1689,6 +1693,13 @@ const char *error_text(cudaError_t e, bool name) {
     return name ? "cudaErrorUnknown" : "unknown error";
 }
 
+// What uly_emu_fail_call asked of this call of `what`: cudaSuccess or the error to return.
+cudaError_t injected(const char *what) {
+    if (!fail_what || strcmp(fail_what, what) || fail_skip-- > 0) return cudaSuccess;
+    fail_what = nullptr;
+    return fail_error;
+}
+
 // What a call returns for the work queued before it: the thread's error, but not a query's
 // "not ready", which stays the last error (cudaGetLastError) and no other call returns.
 cudaError_t pending() {
@@ -1821,6 +1832,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind)
 // CUDA runtime's "API synchronization behavior" allows both); others are queued.
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind,
                             cudaStream_t s) {
+    if (const cudaError_t e = injected("cudaMemcpyAsync")) return e;
     uly_emu_record_op("cudaMemcpyAsync", s);
     if (!count) return pending();
     if (pageable(src) || pageable(dst)) {
@@ -1895,6 +1907,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
 }
 // Waits for the records of e asked before this call, and for nothing recorded later.
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+    if (const cudaError_t e = injected("cudaStreamWaitEvent")) return e;
     uly_emu_record_op("cudaStreamWaitEvent", s);
     if (!e) return cudaErrorInvalidResourceHandle;
     queue(s, [ev = e->e, n = e->e->last()] { ev->wait(n); });
@@ -1915,6 +1928,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 
 // A record is reached when the stream runs it, even on a device that faulted (its waiters go on).
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    if (const cudaError_t e = injected("cudaEventRecord")) return e;
     uly_emu_record_op("cudaEventRecord", s);
     if (!e) return cudaErrorInvalidResourceHandle;
     queue(s, [ev = e->e, n = e->e->ask()] { ev->reach(n); });
@@ -1973,6 +1987,10 @@ cudaError_t cudaGetDeviceCount(int *n) {
 cudaError_t cudaGetDevice(int *d) {
     *d = 0;
     return cudaSuccess;
+}
+
+void uly_emu_fail_call(const char *what, int nth, cudaError_t e) {
+    fail_what = what, fail_skip = nth - 1, fail_error = e;
 }
 
 static std::atomic<int> set_device_failures{0};  // uly_emu_fail_set_device

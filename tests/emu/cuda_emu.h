@@ -122,6 +122,11 @@ void uly_emu_drain(cudaStream_t s);
 // a device another process holds exclusively), whichever host threads make them.
 void uly_emu_fail_set_device(int calls);
 
+// Test hook: the calling host thread's nth next call (1: the next) of `what`, one of
+// "cudaMemcpyAsync", "cudaEventRecord" and "cudaStreamWaitEvent", returns e and queues nothing,
+// as a call given a bad handle or made on a broken context; what = nullptr cancels.
+void uly_emu_fail_call(const char *what, int nth, cudaError_t e);
+
 // Test hook: the opt-in shared memory per block the device reports and cudaFuncSetAttribute
 // accepts, as on a smaller GPU (sm_86 and sm_89: 99 KB); 0 restores the H100's 227 KB.
 void uly_emu_set_smem_optin(size_t bytes);
