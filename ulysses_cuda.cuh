@@ -804,11 +804,14 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
         out[j].bytes = st.code || e ? -1 : send_counts[j];
     }
     ULY__TRY(uly__dl_trade(me->host, out, in, sizeof *out));
-    for (int i = 0; i < P && !st.code; i++) {
-        if (in[i].bytes != recv_counts[i])
+    for (int i = 0; i < P && !st.code && !e; i++) {
+        if (in[i].bytes < 0)
+            st = uly__err(ULY_ECOMM, "alltoallv: rank %d failed (bad arguments or a CUDA error) "
+                          "and sends nothing", i);
+        else if (in[i].bytes != recv_counts[i])
             st = uly__err(ULY_ECOMM, "alltoallv: rank %d sends %lld bytes to rank %d, which "
                           "expects %lld", i, ULY__LL(in[i].bytes), r, ULY__LL(recv_counts[i]));
-        else if (in[i].bytes && !e && !(e = cudaStreamWaitEvent(s, me->w->ready[i], 0)))
+        else if (in[i].bytes && !(e = cudaStreamWaitEvent(s, me->w->ready[i], 0)))
             e = cudaMemcpyAsync((char *)recv + recv_offs[i], in[i].src, (size_t)in[i].bytes,
                                 cudaMemcpyDeviceToDevice, s);
     }

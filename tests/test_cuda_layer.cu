@@ -874,9 +874,89 @@ TEST(device_local_bad_arguments_on_one_rank_fail_every_rank) {
     CHECK(j.st[0].code == ULY_EINVAL && strstr(j.st[0].msg, "send is NULL"), "rank 0: '%s'",
           j.st[0].msg);
     for (int r = 1; r < 4; r++)
-        CHECK(j.st[r].code == ULY_ECOMM && strstr(j.st[r].msg, "rank 0 sends -1 bytes"),
+        CHECK(j.st[r].code == ULY_ECOMM && strstr(j.st[r].msg, "rank 0 failed"),
               "rank %d: '%s'", r, j.st[r].msg);
 }
+
+#ifdef ULY_EMU
+/* A CUDA call of alltoallv that fails on rank 2 (uly_emu_fail_call) fails the call there, and
+   on every peer that may have read rank 2's buffers unordered: without its ready event rank 2
+   offers nothing (no peer copies its block), a failed wait copies nothing, and a failed copy or
+   done record stops every peer. Each time the next call on every rank moves every byte. */
+typedef struct xfail_job {
+    const char *call; /* rank 2's failing call, its nth */
+    int nth;
+    uly_status st[4], next[4];
+    int64_t from2[4];  /* bytes of rank 2's block the failed call wrote */
+    int64_t copied[4]; /* bytes the failed call wrote */
+    int64_t wrong[4];  /* bytes the next call got wrong */
+} xfail_job;
+
+/* Rank r sends 4 bytes of 16 r + q to rank q; recv starts as 0xee, which no block holds. */
+static void xfail_main(const uly_comm *c, void *user) {
+    xfail_job *j = (xfail_job *)user;
+    const int P = c->size, r = c->rank;
+    int64_t cnt[4], off[4];
+    unsigned char host[16], *send, *recv;
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    cudaMalloc((void **)&send, 16), cudaMalloc((void **)&recv, 16);
+    for (int q = 0; q < P; q++) cnt[q] = 4, off[q] = 4 * q, memset(host + 4 * q, 16 * r + q, 4);
+    cudaMemcpy(send, host, 16, cudaMemcpyHostToDevice);
+    for (int pass = 0; pass < 2; pass++) {
+        cudaMemset(recv, 0xee, 16);
+        if (r == 2 && !pass) uly_emu_fail_call(j->call, j->nth, cudaErrorInvalidResourceHandle);
+        (pass ? j->next : j->st)[r] = c->alltoallv(c->ctx, send, cnt, off, recv, cnt, off, s);
+        uly_emu_fail_call(nullptr, 0, cudaSuccess);
+        cudaStreamSynchronize(s);
+        cudaMemcpy(host, recv, 16, cudaMemcpyDeviceToHost);
+        for (int b = 0; b < 16; b++) {
+            if (pass) j->wrong[r] += host[b] != 16 * (b / 4) + r;
+            else j->copied[r] += host[b] != 0xee, j->from2[r] += b / 4 == 2 && host[b] != 0xee;
+        }
+    }
+    cudaFree(send), cudaFree(recv);
+    cudaStreamDestroy(s);
+}
+
+TEST(device_local_alltoallv_fails_every_rank_a_failed_call_leaves_unordered) {
+    static const struct {
+        const char *call;
+        int nth;
+        const char *others_say; /* NULL: the peers' exchanges are whole and ordered */
+        int copies;             /* rank 2 copies any block */
+    } cases[] = {
+        {"cudaEventRecord", 1, "rank 2 failed", 0},          /* ready */
+        {"cudaStreamWaitEvent", 1, "1 rank(s) failed", 0},   /* for rank 0's ready */
+        {"cudaMemcpyAsync", 2, "1 rank(s) failed", 1},       /* rank 1's block */
+        {"cudaEventRecord", 2, "1 rank(s) failed", 1},       /* done */
+        {"cudaStreamWaitEvent", 5, NULL, 1},                 /* for rank 0's done */
+    };
+    for (const auto &k : cases) {
+        xfail_job j;
+        memset(&j, 0, sizeof j);
+        j.call = k.call, j.nth = k.nth;
+        const uly_status st = uly_cuda_local_run(4, xfail_main, &j);
+        CHECK(!st.code, "%s %d: %s", k.call, k.nth, st.msg);
+        CHECK(j.st[2].code == ULY_ECUDA && strstr(j.st[2].msg, "device-local alltoallv"),
+              "%s %d: rank 2: '%s'", k.call, k.nth, j.st[2].msg);
+        CHECK(!j.copied[2] == !k.copies, "%s %d: rank 2 wrote %lld bytes", k.call, k.nth,
+              (long long)j.copied[2]);
+        for (int r = 0; r < 4; r++) {
+            const bool ok = r != 2 && !k.others_say;
+            CHECK(r == 2 || (ok ? !j.st[r].code && j.copied[r] == 16
+                                : j.st[r].code == ULY_ECOMM && strstr(j.st[r].msg, k.others_say)),
+                  "%s %d: rank %d: '%s', %lld bytes copied", k.call, k.nth, r, j.st[r].msg,
+                  (long long)j.copied[r]);
+            CHECK(k.nth != 1 || strcmp(k.call, "cudaEventRecord") || !j.from2[r],
+                  "%s %d: rank %d copied %lld bytes from rank 2, whose stream it could not wait "
+                  "for", k.call, k.nth, r, (long long)j.from2[r]);
+            CHECK(!j.next[r].code && !j.wrong[r], "%s %d: rank %d, the next call: '%s', %lld "
+                  "bytes wrong", k.call, k.nth, r, j.next[r].msg, (long long)j.wrong[r]);
+        }
+    }
+}
+#endif
 
 /* allreduce_sum fails every rank alike, so that none pairs the failed call with its peers'
    next one (and of nothing, NULL everywhere, succeeds); each time the next call, 1 value on
@@ -898,11 +978,10 @@ static void sum_main(const uly_comm *c, void *user) {
     for (int i = 0; i < 100; i++) h[i] = 1.0 + r;
     cudaMalloc((void **)&dev, sizeof h);
     cudaMemcpy(dev, h, sizeof h, cudaMemcpyHostToDevice);
-    if (r == j->fail_copy) /* the thread's last error, which the emulator's next copy returns */
-        cudaFuncSetAttribute((const void *)uly__ref_fwd<float>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, -1);
+#ifdef ULY_EMU
+    if (r == j->fail_copy) uly_emu_fail_call("cudaMemcpyAsync", 1, cudaErrorInvalidValue);
+#endif
     j->st[r] = c->allreduce_sum(c->ctx, j->null_buf >> r & 1 ? NULL : dev, j->n[r], s);
-    (void)cudaGetLastError();
     j->next[r] = c->allreduce_sum(c->ctx, dev, 1, s);
     cudaMemcpy(&j->got[r], dev, sizeof(double), cudaMemcpyDeviceToHost);
     cudaFree(dev);
