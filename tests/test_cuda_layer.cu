@@ -1027,11 +1027,27 @@ TEST(device_local_allreduce_fails_every_rank_alike) {
     }
 }
 
-#ifdef ULY_EMU
 static void count_rank(const uly_comm *c, void *user) {
     (void)c;
     __atomic_fetch_add((int *)user, 1, __ATOMIC_RELAXED);
 }
+
+/* From 1 to ULY_MAX_SP virtual ranks, each of which runs fn once; anything else runs nothing. */
+TEST(device_local_run_takes_1_to_ULY_MAX_SP_ranks) {
+    int ran = 0;
+    uly_status st = uly_cuda_local_run(ULY_MAX_SP, count_rank, &ran);
+    CHECK(!st.code && ran == ULY_MAX_SP, "%d ranks: '%s', %d ran", ULY_MAX_SP, st.msg, ran);
+    for (int size : {0, -1, ULY_MAX_SP + 1}) {
+        ran = 0;
+        st = uly_cuda_local_run(size, count_rank, &ran);
+        CHECK(st.code == ULY_EINVAL && strstr(st.msg, "uly_cuda_local_run: size") && !ran,
+              "%d ranks: code %d '%s', %d ran", size, (int)st.code, st.msg, ran);
+    }
+    st = uly_cuda_local_run(2, NULL, NULL);
+    CHECK(st.code == ULY_EINVAL && strstr(st.msg, "fn is NULL"), "fn NULL: '%s'", st.msg);
+}
+
+#ifdef ULY_EMU
 
 /* uly_cuda_local_run runs the rank function on every rank or on none: where cudaSetDevice fails
    on one rank (or all), none runs it (its peers would wait for it in their first collective)
