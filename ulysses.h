@@ -121,7 +121,8 @@ typedef enum uly_code {
 /* Every function that can fail returns one. msg leads with the name of the function the
    caller called, then says what failed inside it and why: "uly_forward: saved_bytes (1280) <
    uly_saved_bytes() (1792)", "uly_forward: alltoallv: ncclSend: ...". The functions of a
-   layer's parts (uly_comm, uly_layout, uly_attn) leave the name to their caller. */
+   layer's parts (uly_comm, uly_layout, uly_attn) leave the name to their caller. With code
+   ULY_OK, msg is "". */
 typedef struct uly_status {
     uly_code code;
     char msg[244];
