@@ -211,7 +211,9 @@ typedef struct uly_comm {
        recv[recv_offs[i], +recv_counts[i]) for sender i. Bytes; the counts of both ends must
        agree (the layer's do where every rank planned alike: uly_layer_agree). The local
        communicator checks; MPI and NCCL cannot see the other end's count, and there a mismatch
-       can hang or leave bytes unwritten. */
+       can hang or leave bytes unwritten. send's bytes, from its first block's start to its
+       last block's end, must be apart from recv's (MPI's and NCCL's rule; each communicator
+       here refuses an overlap). */
     uly_status (*alltoallv)(void *ctx, const void *send, const int64_t *send_counts,
                             const int64_t *send_offs, void *recv, const int64_t *recv_counts,
                             const int64_t *recv_offs, void *stream);
@@ -999,10 +1001,11 @@ ULYDEF uly_status uly_plan_init(uly_plan *p, const uly_plan_desc *desc) {
    Communicators */
 
 /* The local rules of an alltoallv call: arrays present, counts and offsets nonnegative, buffers
-   present where bytes move. */
+   present where bytes move, and send's bytes (first block to last) apart from recv's. */
 static uly_status uly__check_counts(int P, const void *send, const int64_t *sc,
                                     const int64_t *so, const void *recv, const int64_t *rc,
                                     const int64_t *ro) {
+    int64_t s0 = INT64_MAX, s1 = 0, r0 = INT64_MAX, r1 = 0; /* the bytes used: [s0, s1) */
     ULY__CHECK(sc && so && rc && ro, ULY_EINVAL, "alltoallv: a count or offset array is NULL");
     for (int j = 0; j < P; j++) {
         ULY__CHECK(uly__add(so[j], sc[j]) >= 0 && uly__add(ro[j], rc[j]) >= 0, ULY_EINVAL,
@@ -1012,7 +1015,14 @@ static uly_status uly__check_counts(int P, const void *send, const int64_t *sc,
         ULY__CHECK((send || !sc[j]) && (recv || !rc[j]), ULY_EINVAL,
                    "alltoallv: %s is NULL but peer %d has bytes in it",
                    send || !sc[j] ? "recv" : "send", j);
+        if (sc[j]) s0 = uly__min(s0, so[j]), s1 = uly__max(s1, so[j] + sc[j]);
+        if (rc[j]) r0 = uly__min(r0, ro[j]), r1 = uly__max(r1, ro[j] + rc[j]);
     }
+    ULY__CHECK(!s1 || !r1 || !uly__meet((const char *)send + s0, s1 - s0,
+                                        (const char *)recv + r0, r1 - r0),
+               ULY_EINVAL, "alltoallv: send[%lld, %lld) and recv[%lld, %lld) overlap in memory: "
+               "an exchange cannot run in place", ULY__LL(s0), ULY__LL(s1), ULY__LL(r0),
+               ULY__LL(r1));
     return uly__ok();
 }
 

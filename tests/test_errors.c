@@ -1129,6 +1129,46 @@ TEST(local_alltoallv_rejects_null_offsets) {
     check_status(NULL, got, ULY_EINVAL, "a count or offset array is NULL", "send_offs NULL");
 }
 
+/* Rank 0's send blocks are buf[0, 4) and buf[8, 12); its recv buffer starts recv_at bytes into
+   buf, blocks at 0 and 8 (gap 1) or 0 and 4: the bytes from its first block's start to its last
+   block's end must be apart from send's, which is what MPI and NCCL require. Rank 1 has buffers
+   of its own. */
+typedef struct in_place_job {
+    int recv_at, gap;
+    uly_status st[2];
+} in_place_job;
+static void in_place(const uly_comm *c, void *user) {
+    in_place_job *j = (in_place_job *)user;
+    char buf[32] = {0}, mine[16] = {0}, theirs[16];
+    const int64_t cnt[2] = {4, 4}, so[2] = {0, 8}, ro[2] = {0, j->gap ? 8 : 4};
+    if (c->rank == 0)
+        j->st[0] = c->alltoallv(c->ctx, buf, cnt, so, buf + j->recv_at, cnt, ro, NULL);
+    else
+        j->st[1] = c->alltoallv(c->ctx, mine, cnt, so, theirs, cnt, ro, NULL);
+}
+
+TEST(local_alltoallv_refuses_send_and_recv_that_overlap) {
+    static const struct {
+        int recv_at, gap;
+        const char *says; /* NULL: it runs */
+    } cases[] = {{12, 0, NULL}, /* recv [12, 20) right after send's [0, 12) */
+                 {11, 0, "send[0, 12) and recv[0, 8) overlap"},
+                 {4, 1, "send[0, 12) and recv[0, 12) overlap"}}; /* in send's gap */
+    for (int i = 0; i < 3; i++) {
+        in_place_job j;
+        memset(&j, 0, sizeof j);
+        j.recv_at = cases[i].recv_at, j.gap = cases[i].gap;
+        CHECK(uly_local_run(2, in_place, &j).code == ULY_OK, "local_run");
+        if (!cases[i].says) {
+            CHECK(!j.st[0].code && !j.st[1].code, "recv at %d: '%s', '%s'", j.recv_at,
+                  j.st[0].msg, j.st[1].msg);
+            continue;
+        }
+        check_status(NULL, j.st[0], ULY_EINVAL, cases[i].says, "rank 0");
+        check_status(NULL, j.st[1], ULY_ECOMM, "rank 0 failed", "rank 1");
+    }
+}
+
 /* Rank 1 returns at once; rank 0's barrier, before or after that, fails instead of waiting. */
 static void barrier_alone(const uly_comm *c, void *user) {
     if (c->rank == 0) *(uly_status *)user = c->barrier(c->ctx);
