@@ -142,38 +142,45 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
    keeps a pointer to n, which must outlive it.
    NCCL moves GPU memory only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier
    go through `scratch`, ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL:
-   they return ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does, for at most
-   timeout_s seconds (0: no limit). Calls given no stream (barrier, uly_loss_reduce's
-   allreduce_sum) use `stream`, or if it is NULL the per-thread default stream of the current
-   device, which must be comm's: the legacy stream would also wait for every other blocking
-   stream, another communicator's collectives among them, which can tie two communicators into
-   a deadlock. Those waits mean barrier, allreduce_sum and uly_loss_reduce never go inside the
-   caller's ncclGroupStart/ncclGroupEnd, where NCCL queues nothing until ncclGroupEnd; nor do
-   uly_forward and uly_backward, whose kernels after an exchange would be queued before it.
-   Failures return ULY_ECOMM with NCCL's message. After any failure (a call NCCL refused, a peer
-   or the network gone) or a timeout the communicator is unusable and its peers may be stuck in
+   they return ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does. Calls given no
+   stream (barrier, uly_loss_reduce's allreduce_sum) use `stream`, a stream of comm's device
+   the caller makes (uly_nccl_comm refuses NULL): cudaStreamPerThread would be another stream
+   to a non-blocking communicator, whose work NCCL's own thread launches, and the legacy stream
+   would also wait for every other blocking stream, another communicator's collectives among
+   them, which can tie two communicators into a deadlock. Those waits mean barrier,
+   allreduce_sum and uly_loss_reduce never go inside the caller's ncclGroupStart/ncclGroupEnd,
+   where NCCL queues nothing until ncclGroupEnd; nor do uly_forward and uly_backward, whose
+   kernels after an exchange would be queued before it.
+   Failures return ULY_ECOMM with NCCL's message, and NCCL's last error, which may be an earlier
+   call's (NCCL keeps one for the process). After any failure (a call NCCL refused, a peer or the
+   network gone) or a timeout, treat the communicator as unusable and its peers as maybe stuck in
    the collective: every live rank must ncclCommAbort it (NCCL requires all of them to; it also
    lets a stuck stream drain). Nothing here aborts or destroys a communicator.
    comm may be blocking (NCCL's default config) or non-blocking (ncclConfig_t.blocking = 0).
    A blocking NCCL call can itself hold the thread when a peer never arrives (the first exchange
    with a peer connects to it), where no timeout reaches. A non-blocking one answers
-   ncclInProgress and each call here polls until NCCL has queued the work, for at most
-   timeout_s, so that a missing peer is ULY_ECOMM: the way to bound every wait. Its work is
-   launched from NCCL's own thread, whose per-thread stream is not the caller's: set `stream`. */
+   ncclInProgress, and each call here polls until NCCL has queued the work, so that a missing
+   peer is ULY_ECOMM. Queued work that never ends (a peer gone after connecting) is another
+   wait: the layer's calls return with it queued, and only a wait that polls NCCL (uly_nccl_wait,
+   and barrier's and allreduce_sum's of host memory) turns it into ULY_ECOMM, where a
+   cudaStreamSynchronize would hang. Each such wait, and each poll of a call in progress, gives
+   up after timeout_s seconds (0: no limit), so one call that waits several times can take a
+   few times that. */
 enum { ULY_NCCL_SCRATCH = 64 };
 typedef struct uly_nccl {
     ncclComm_t comm;
     double *scratch;
     double timeout_s;
-    void *stream; /* cudaStream_t of the calls given none; NULL: the per-thread default stream */
+    void *stream; /* cudaStream_t of the calls given none */
 } uly_nccl;
 ULYDEF uly_status uly_nccl_comm(uly_nccl *n, uly_comm *out);
 /* Splits world into SP groups of sp_size consecutive ranks and DP groups across them (a
    collective over world, which must have no NCCL work outstanding), waiting at most timeout_s
-   seconds (0: no limit) for a non-blocking world's init and its splits. On failure *sp and *dp
-   hold what was made (NULL for the rest): the caller aborts them with world, since peers may
-   still be inside the failed split, where a destroy here could wait for them forever. After a
-   non-blocking split timed out, NCCL's thread may still store the new communicator there. */
+   seconds (0: no limit) for a non-blocking world's init and for each split. On failure the
+   caller aborts world first, then whichever of *sp and *dp is not NULL (NCCL's order: peers may
+   still be inside the failed split, where a destroy here could wait for them forever, and
+   after a non-blocking split timed out, NCCL's thread may store the new communicator there
+   until world's abort stops it). */
 ULYDEF uly_status uly_nccl_split(ncclComm_t world, int sp_size, double timeout_s, ncclComm_t *sp,
                                  ncclComm_t *dp);
 /* Waits until the work queued on stream is done (on a non-blocking comm, also until NCCL has
@@ -838,7 +845,7 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
 /* Through the host, a few values at a time: sums are the host comm's, in rank order. Host
    memory goes to it once the stream is done (as NCCL's, so that a result copied there on the
    stream is what is summed); device memory through a copy on the stream. Given no stream, the
-   per-thread default one (as NCCL's: the legacy stream would wait for every rank's work).
+   calling rank's per-thread default one (the legacy stream would wait for every rank's work).
    Every rank takes part in every round, failed or not, so that all of them return alike: first
    each learns every count (-1: a rank that failed), then each chunk carries whether a rank's
    copy failed. A rank that went away alone would leave its peers to pair this call with its
@@ -950,13 +957,16 @@ ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, 
 #endif
 #ifndef ULY_NCCL_ALLTOALL
 #define ULY_NCCL_ALLTOALL (NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0))
+#elif ULY_NCCL_ALLTOALL && NCCL_VERSION_CODE < NCCL_VERSION(2, 28, 0)
+#error "ULY_NCCL_ALLTOALL needs NCCL 2.28 or newer (ncclAlltoAll)"
 #endif
 
 static uly_status uly__nccl(ncclResult_t r, ncclComm_t comm, const char *what) {
     if (r == ncclSuccess) return uly__ok();
     const char *last = comm ? ncclGetLastError(comm) : "";
     return uly__err(ULY_ECOMM, "%s: %s%s%s", what, ncclGetErrorString(r),
-                    last && last[0] ? ": " : "", last ? last : "");
+                    last && last[0] ? "; NCCL's last error (maybe an earlier call's): " : "",
+                    last ? last : "");
 }
 
 /* Seconds since t0. */
@@ -1061,8 +1071,14 @@ static uly_status uly__nccl_alltoallv(void *ctx, const void *send, const int64_t
 static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, int64_t bytes,
                                      void *stream) {
     uly_nccl *n = (uly_nccl *)ctx;
-    ULY__CHECK(bytes >= 0 && ((send && recv) || !bytes), ULY_EINVAL, "alltoall: bytes (%lld) "
-               "must be >= 0, and send and recv not NULL", ULY__LL(bytes));
+    int P = 0;
+    ULY__TRY(uly__nccl(ncclCommCount(n->comm, &P), n->comm, "alltoall: ncclCommCount"));
+    const int64_t all = uly__mul(P, bytes);
+    ULY__CHECK(bytes >= 0 && all >= 0 && ((send && recv) || !bytes), ULY_EINVAL, "alltoall: "
+               "bytes (%lld) must be >= 0 with %d of them fitting int64, and send and recv not "
+               "NULL", ULY__LL(bytes), P);
+    ULY__CHECK(!uly__meet(send, all, recv, all), ULY_EINVAL, "alltoall: send and recv (%lld "
+               "bytes each) overlap: an exchange cannot run in place", ULY__LL(all));
     ULY__TRY(uly__nccl_ready(n->comm, ncclAlltoAll(send, recv, (size_t)bytes, ncclUint8, n->comm,
                                                    (cudaStream_t)stream),
                              n->timeout_s, "alltoall: ncclAlltoAll"));
@@ -1080,15 +1096,10 @@ static uly_status uly__nccl_sum(uly_nccl *n, double *dev, int64_t count, cudaStr
     return uly__nccl_async(n->comm, what, NULL);
 }
 
-/* The stream of calls given none (see uly_nccl_comm). */
-static void *uly__nccl_stream(const uly_nccl *n) {
-    return n->stream ? n->stream : (void *)cudaStreamPerThread;
-}
-
 /* Device memory in place; host memory through scratch, a chunk at a time, waiting for each. */
 static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, void *stream) {
     uly_nccl *n = (uly_nccl *)ctx;
-    cudaStream_t s = (cudaStream_t)(stream ? stream : uly__nccl_stream(n));
+    cudaStream_t s = (cudaStream_t)(stream ? stream : n->stream);
     int device = 0;
     ULY__TRY(uly__sum_buffer(buf, count, &device));
     if (!count || device) return uly__nccl_sum(n, buf, count, s, "allreduce_sum");
@@ -1115,7 +1126,7 @@ static uly_status uly__nccl_allreduce(void *ctx, double *buf, int64_t count, voi
 /* A one-value allreduce, waited for, on the stream of calls given none. */
 static uly_status uly__nccl_barrier(void *ctx) {
     uly_nccl *n = (uly_nccl *)ctx;
-    cudaStream_t s = (cudaStream_t)uly__nccl_stream(n);
+    cudaStream_t s = (cudaStream_t)n->stream;
     ULY__CHECK(n->scratch, ULY_EUNSUPPORTED, "barrier: uly_nccl.scratch is NULL (it needs %d "
                "doubles of device memory)", (int)ULY_NCCL_SCRATCH);
     ULY__TRY(uly__nccl_sum(n, n->scratch, 1, s, "barrier"));
@@ -1125,6 +1136,8 @@ static uly_status uly__nccl_barrier(void *ctx) {
 static uly_status uly__nccl_comm(uly_nccl *n, uly_comm *out) {
     ULY__CHECK(n && n->comm && out, ULY_EINVAL, "%s is NULL", !n ? "n" : !out ? "out" : "n->comm");
     memset(out, 0, sizeof *out);
+    ULY__CHECK(n->stream, ULY_EINVAL, "n->stream is NULL: calls given no stream need one of "
+               "comm's device (cudaStreamPerThread is another stream to NCCL's own thread)");
     /* A non-blocking communicator may still be joining its peers (ncclCommInitRankConfig, a
        split): wait until it is ready. */
     ULY__TRY(uly__nccl_ready(n->comm, ncclInProgress, n->timeout_s, "n->comm's init"));

@@ -177,7 +177,11 @@ int main(int argc, char **argv) {
     MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
     nccl_ok(ncclCommInitRank(&all, world, id, rank), "ncclCommInitRank");
     ulysses_ok(uly_nccl_split(all, P, 0, &sp, &dp), "the communicators");
-    uly_nccl nccl = {sp, NULL, 60.0, NULL}; /* waits give up after a minute; no own stream */
+    /* One stream for everything here. A blocking one (cudaStreamCreate): it waits for the legacy
+       stream, where the cudaMemcpy calls below may still be landing. */
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreate(&stream));
+    uly_nccl nccl = {sp, NULL, 60.0, stream}; /* waits give up after a minute */
     CUDA_OK(cudaMalloc((void **)&nccl.scratch, ULY_NCCL_SCRATCH * sizeof(double)));
     uly_comm comm;
     ulysses_ok(uly_nccl_comm(&nccl, &comm), "the communicators");
@@ -216,10 +220,7 @@ int main(int argc, char **argv) {
     uly_tensor out_r = uly_dense(to_gpu(NULL, nq_r), ULY_BF16, B, tok.count, H, D);
     dout_r.data = (__nv_bfloat16 *)dout.data + tok.start * dout.ss, dout_r.s = tok.count;
 
-    /* The layer: forward, then backward, on one stream. A blocking one (cudaStreamCreate): it
-       waits for the legacy stream, where the cudaMemcpy calls above may still be landing. */
-    cudaStream_t stream;
-    CUDA_OK(cudaStreamCreate(&stream));
+    /* The layer: forward, then backward. */
     uly_layer L = uly_cuda_layer(&plan, &comm, stream); /* the flash kernels */
     L.causal = 1;
     L.workspace_bytes = uly_layer_workspace(&L);

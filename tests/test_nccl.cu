@@ -17,8 +17,8 @@
      until uly_nccl_wait's timeout) is ULY_ECOMM on both ranks. alltoall: one ncclAlltoAll per
      rank.
    - allreduce_sum: device memory directly, host memory through scratch in chunks of
-     ULY_NCCL_SCRATCH, every rank getting the same sum, all on the caller's stream (host
-     memory with none: the per-thread default stream); without scratch, host memory and barrier
+     ULY_NCCL_SCRATCH, every rank getting the same sum, all on the caller's stream (given
+     none: uly_nccl.stream, which uly_nccl_comm requires); without scratch, host memory and barrier
      are ULY_EUNSUPPORTED; barrier returns on no rank before every rank has called it; both
      give up on a stalled stream after uly_nccl.timeout_s. uly_layer_agree (two sums of host
      memory) fails on every rank when one rank's layer is not causal. Nothing to move (count 0,
@@ -37,7 +37,7 @@
      string and last error; an asynchronous error fails the next call, and uly_nccl_wait reports
      it (on a stalled stream and on a finished one); so does a stream not done within the
      timeout; neither aborts the caller's communicator, and the message says to; a failed DP
-     split returns what it made and destroys nothing; NULL arguments are ULY_EINVAL.
+     split returns what it made and destroys nothing; NULL arguments (uly_nccl.stream too) are ULY_EINVAL.
 
    Emulator only: NCCL refuses two ranks on one GPU, so this cannot run on a single real GPU.
    The NCCL code on GPUs is make test-gpu's MPI run of examples/sp_attention_nccl.cu (which make
@@ -97,7 +97,7 @@ static void nccl_rank(const uly_comm *local, void *user) {
     double *scratch = NULL;
     cudaMalloc((void **)&scratch, ULY_NCCL_SCRATCH * sizeof(double));
     cudaStream_t own = NULL;
-    if (j->nonblocking) cudaStreamCreate(&own);
+    cudaStreamCreate(&own);
     uly_nccl n = {comm, scratch, j->timeout_s, own};
     uly_comm c;
     j->st[local->rank] = uly_nccl_comm(&n, &c);
@@ -107,7 +107,7 @@ static void nccl_rank(const uly_comm *local, void *user) {
     if (async != ncclSuccess || j->abort) ncclCommAbort(comm); /* as the library says to */
     else ncclCommDestroy(comm);
     cudaFree(scratch);
-    if (own) cudaStreamDestroy(own);
+    cudaStreamDestroy(own);
 }
 
 /* fn on `size` ranks of a new NCCL communicator, each with ULY_NCCL_SCRATCH doubles of scratch
@@ -532,13 +532,12 @@ TEST(allreduce_and_alltoall_of_nothing_take_null_buffers) {
 }
 
 /* No stream, as uly_loss_reduce calls it (host memory), and device memory: every operation on
-   uly_nccl.stream, or without one on the per-thread default stream, none on the legacy one
-   (which waits for every blocking stream, another communicator's collectives among them).
-   off[memory][rank]: the first operation elsewhere, if any. */
+   uly_nccl.stream, none on the legacy stream (which waits for every blocking stream, another
+   communicator's collectives among them) or the per-thread one (another stream to NCCL's own
+   thread). off[memory][rank]: the first operation elsewhere, if any. */
 static void no_stream_main(const uly_comm *c, void *user) {
     const char *(*off)[2] = (const char *(*)[2])user;
-    const cudaStream_t own = (cudaStream_t)((const uly_nccl *)c->ctx)->stream;
-    const cudaStream_t want = own ? own : cudaStreamPerThread;
+    const cudaStream_t want = (cudaStream_t)((const uly_nccl *)c->ctx)->stream;
     double host[2] = {1, 2}, *dev = NULL;
     CHECK(cudaMalloc(&dev, sizeof host) == cudaSuccess, "cudaMalloc");
     cudaMemcpy(dev, host, sizeof host, cudaMemcpyHostToDevice);
@@ -566,7 +565,7 @@ static void check_no_stream(sp_runner run) {
               off[m][1] ? off[m][1] : "nothing");
 }
 
-TEST(allreduce_without_a_stream_runs_on_the_per_thread_stream) { check_no_stream(nccl_run); }
+TEST(allreduce_without_a_stream_runs_on_uly_nccl_stream) { check_no_stream(nccl_run); }
 
 typedef struct bare_job {
     uly_status host[4], dev[4], barrier[4];
@@ -682,11 +681,14 @@ static void fresh_split_rank(const uly_comm *local, void *user) {
     const ncclResult_t init = ncclCommInitRankConfig(&world, local->size, j->id, r, &config);
     j->st[r] = uly__nccl(init == ncclInProgress ? ncclSuccess : init, NULL, "init");
     if (!j->st[r].code) j->st[r] = uly_nccl_split(world, 2, 0, &sp, &dp);
-    uly_nccl n = {sp, NULL, 0, NULL};
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    uly_nccl n = {sp, NULL, 0, s};
     uly_comm c;
     if (!j->st[r].code) j->st[r] = uly_nccl_comm(&n, &c);
     if (!j->st[r].code) j->size[r] = c.size, j->rank[r] = c.rank;
     ncclCommDestroy(sp), ncclCommDestroy(dp), ncclCommDestroy(world);
+    cudaStreamDestroy(s);
 }
 
 TEST(split_waits_for_a_nonblocking_world_still_joining_its_peers) {
@@ -1145,11 +1147,12 @@ static void stuck_main(const uly_comm *c, void *user) {
     j->sum[r] = c->allreduce_sum(c->ctx, host, 2, s);
     j->sum_s[r] = seconds() - t0;
     uly_emu_stall_stream(s, false);
-    uly_emu_stall_stream(NULL, true);
+    const cudaStream_t own = (cudaStream_t)((const uly_nccl *)c->ctx)->stream; /* barrier's */
+    uly_emu_stall_stream(own, true);
     t0 = seconds();
     j->barrier[r] = c->barrier(c->ctx);
     j->barrier_s[r] = seconds() - t0;
-    uly_emu_stall_stream(NULL, false);
+    uly_emu_stall_stream(own, false);
     cudaStreamDestroy(s);
 }
 
@@ -1191,6 +1194,9 @@ TEST(null_arguments_are_einval) {
     for (const auto &k : cases)
         CHECK(k.st.code == ULY_EINVAL && !strcmp(k.st.msg, k.msg), "'%s', want ULY_EINVAL '%s'",
               k.st.msg, k.msg);
+    const uly_status st = uly_nccl_comm(&n, &c);
+    CHECK(st.code == ULY_EINVAL && strstr(st.msg, "uly_nccl_comm: n->stream is NULL"),
+          "stream NULL: '%s'", st.msg);
     ncclCommDestroy(world);
 }
 
@@ -1328,10 +1334,13 @@ TEST(wait_without_a_timeout_waits_for_a_busy_stream) {
 }
 
 #if ULY_NCCL_ALLTOALL
-/* alltoall's own arguments: a negative size, or a NULL buffer with bytes to move, is EINVAL on
-   the rank that passed it, before any collective (each rank here calls it alone). */
+/* alltoall's own arguments: a negative size, a NULL buffer with bytes to move, or send and
+   recv overlapping (NCCL's ncclAlltoAll does not run in place) is EINVAL on the rank that
+   passed it, before any collective (each rank here calls it alone); buffers that only touch
+   are apart, and alltoallv refuses in place too. */
+enum { A2A_ARGS = 6 };
 typedef struct a2a_args_job {
-    uly_status st[2][3];
+    uly_status st[2][A2A_ARGS];
     int none; /* an NCCL without ncclAlltoAll at run time: nothing to check */
 } a2a_args_job;
 
@@ -1344,19 +1353,27 @@ static void a2a_args_main(const uly_comm *c, void *user) {
         return;
     }
     cudaMalloc((void **)&buf, 64);
+    const int64_t cnt[2] = {8, 8}, off[2] = {0, 8};
     j->st[r][0] = c->alltoall(c->ctx, buf, buf + 32, -2, NULL);
     j->st[r][1] = c->alltoall(c->ctx, NULL, buf, 8, NULL);
     j->st[r][2] = c->alltoall(c->ctx, buf, NULL, 8, NULL);
+    j->st[r][3] = c->alltoall(c->ctx, buf, buf + 15, 8, NULL); /* one byte in common */
+    j->st[r][4] = c->alltoallv(c->ctx, buf + 15, cnt, off, buf, cnt, off, NULL);
+    j->st[r][5] = c->alltoall(c->ctx, buf, buf + 16, 8, NULL); /* both ranks: a collective */
+    cudaStreamSynchronize(NULL);
     cudaFree(buf);
 }
 
-TEST(alltoall_rejects_a_negative_size_and_null_buffers) {
+TEST(alltoall_rejects_a_negative_size_null_buffers_and_running_in_place) {
+    static const char *const says[A2A_ARGS] = {"alltoall: bytes", "alltoall: bytes",
+                                                "alltoall: bytes", "overlap", "overlap", ""};
     const a2a_args_job j = run_job<a2a_args_job>(nccl_run, 2, a2a_args_main);
     for (int r = 0; r < 2 && !j.none; r++)
-        for (int k = 0; k < 3; k++)
-            CHECK(j.st[r][k].code == ULY_EINVAL && strstr(j.st[r][k].msg, "alltoall: bytes"),
-                  "rank %d, case %d: code %d '%s', want EINVAL", r, k, (int)j.st[r][k].code,
-                  j.st[r][k].msg);
+        for (int k = 0; k < A2A_ARGS; k++)
+            CHECK(j.st[r][k].code == (says[k][0] ? ULY_EINVAL : ULY_OK) &&
+                      strstr(j.st[r][k].msg, says[k]),
+                  "rank %d, case %d: code %d '%s', want '%s'", r, k, (int)j.st[r][k].code,
+                  j.st[r][k].msg, says[k]);
 }
 #endif
 
