@@ -145,12 +145,12 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
    they return ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does. Calls given no
    stream (barrier, uly_loss_reduce's allreduce_sum) use `stream`, a stream of comm's device
    the caller makes (uly_nccl_comm refuses NULL): cudaStreamPerThread would be another stream
-   to a non-blocking communicator, whose work NCCL's own thread launches, and the legacy stream
-   would also wait for every other blocking stream, another communicator's collectives among
-   them, which can tie two communicators into a deadlock. Those waits mean barrier,
-   allreduce_sum and uly_loss_reduce never go inside the caller's ncclGroupStart/ncclGroupEnd,
-   where NCCL queues nothing until ncclGroupEnd; nor do uly_forward and uly_backward, whose
-   kernels after an exchange would be queued before it.
+   to a non-blocking communicator, whose work NCCL's own thread may launch (so never give it to
+   a layer over one either), and the legacy stream would also wait for every other blocking
+   stream, another communicator's collectives among them, which can tie two communicators into
+   a deadlock. Those waits mean barrier, allreduce_sum and uly_loss_reduce never go inside the
+   caller's ncclGroupStart/ncclGroupEnd, where NCCL queues nothing until ncclGroupEnd; nor do
+   uly_forward and uly_backward, whose kernels after an exchange would be queued before it.
    Failures return ULY_ECOMM with NCCL's message, and NCCL's last error, which may be an earlier
    call's (NCCL keeps one for the process). After any failure (a call NCCL refused, a peer or the
    network gone) or a timeout, treat the communicator as unusable and its peers as maybe stuck in
