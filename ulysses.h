@@ -66,7 +66,8 @@
        and the view helpers (uly_saved_lse, uly_head_slice) NULL data, for what they cannot
        size; the call that takes the result then says why. uly_local_run reports only its own
        failures (starting threads); each rank's results are the rank function's to keep.
-       Nothing aborts or exits; sizes that overflow int64, or byte counts a communicator cannot
+       Nothing aborts or exits (but MPI or CUDA may: an MPI error under a handler that aborts,
+       a device-side trap); sizes that overflow int64, or byte counts a communicator cannot
        carry, are errors and never truncated.
 
    OPTIONS (define before including)
@@ -78,8 +79,9 @@
    Link with -lm, and -lpthread unless ULYSSES_NO_THREADS.
 
    Nothing here allocates: buffers come from the caller, sized by the *_bytes queries. There is
-   no global state; every call is reentrant. On the GPU every call is ordered on the caller's
-   stream.
+   no global state; every call is reentrant, though a communicator's calls are collectives,
+   which (as MPI's and NCCL's) every rank makes in the same order, one at a time. On the GPU
+   every call is ordered on the caller's stream.
 
    VERSIONS (ULYSSES_VERSION is major * 10000 + minor * 100 + patch; ulysses_cuda.cuh goes with
    the ulysses.h of the same version)
@@ -209,9 +211,9 @@ typedef struct uly_comm {
     int size, rank;
     /* Every rank sends send[send_offs[j], +send_counts[j]) to peer j, which receives it at
        recv[recv_offs[i], +recv_counts[i]) for sender i. Bytes; the counts of both ends must
-       agree (the layer's do where every rank planned alike: uly_layer_agree). The local
-       communicator checks; MPI and NCCL cannot see the other end's count, and there a mismatch
-       can hang or leave bytes unwritten. send's bytes, from its first block's start to its
+       agree (the layer's do where every rank planned alike: uly_layer_agree). The local,
+       device-local and MPI communicators check; NCCL cannot see the other end's count, and
+       there a mismatch can hang or leave bytes unwritten. send's bytes, from its first block's start to its
        last block's end, must be apart from recv's (MPI's and NCCL's rule; each communicator
        here refuses an overlap). */
     uly_status (*alltoallv)(void *ctx, const void *send, const int64_t *send_counts,
@@ -244,21 +246,28 @@ ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void 
 
 #ifdef ULYSSES_MPI
 /* The MPI communicator over `comm` (an SP group). A peer's byte count above chunk_bytes
-   (0 = INT_MAX, as MPI counts are int) is moved in messages of at most chunk_bytes; every rank
-   of comm must use the same chunk_bytes. Those messages are point-to-point on comm (tag
-   0x756c): give the library a communicator of its own (MPI_Comm_dup) if the program receives on
-   comm with MPI_ANY_TAG while the layer runs. */
+   (0 = INT_MAX: MPI's int counts; MPI 4's large-count calls are not in every MPI) is moved in
+   messages of at most chunk_bytes; every rank of comm must use the same chunk_bytes. Those
+   messages are point-to-point on comm (tag 0x756c): give the library a communicator of its own
+   (MPI_Comm_dup) unless nothing else receives or probes on comm while the layer runs. Each
+   alltoallv first trades its counts (one small all-to-all and a sum), so counts that do not
+   match, or bad arguments on one rank, fail every rank alike, before any byte moves. */
 typedef struct uly_mpi {
     MPI_Comm comm;
     int64_t chunk_bytes;
 } uly_mpi;
-/* Sets MPI_ERRORS_RETURN on m->comm, so MPI failures come back as ULY_ECOMM with MPI's message.
-   Any size: a world's for uly_loss_reduce, but alltoallv (an SP group's) takes at most
-   ULY_MAX_SP ranks. out points to m, which must outlive it. out->device is 0: host buffers
-   (MPI calls do not wait for a CUDA stream, so the GPU layer takes NCCL's communicator
-   instead). */
+/* Each call sets MPI_ERRORS_RETURN on m->comm while it runs and then puts the caller's error
+   handler back, so MPI failures come back as ULY_ECOMM with MPI's message. (MPI does not
+   promise that a program can go on after an error: treat the communicator as unusable and
+   MPI_Abort. A derived datatype that cannot be made, past INT_MAX offsets, fails under the
+   handler MPI gives such calls: MPI_COMM_SELF's since MPI 4, MPI_COMM_WORLD's before.) Any size: a world's for uly_loss_reduce, but alltoallv
+   (an SP group's) takes at most ULY_MAX_SP ranks. out points to m, which must outlive it.
+   out->device is 0: host buffers (MPI calls do not wait for a CUDA stream, so the GPU layer
+   takes NCCL's communicator instead). */
 ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out);
-/* Splits a world into SP groups of sp_size consecutive ranks and DP groups across them. */
+/* Splits a world (a collective over it) into SP groups of sp_size consecutive ranks and DP
+   groups across them; the caller frees them (MPI_Comm_free). On failure both are
+   MPI_COMM_NULL. */
 ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp);
 #endif
 
@@ -1218,8 +1227,9 @@ ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void 
 #endif /* ULYSSES_NO_THREADS */
 
 #ifdef ULYSSES_MPI
-/* The MPI communicator. It sets MPI_ERRORS_RETURN on its communicator, so a failure comes back
-   as ULY_ECOMM with MPI's own message instead of aborting the job. */
+/* The MPI communicator. Each call sets MPI_ERRORS_RETURN on its communicator while it runs, so
+   a failure comes back as ULY_ECOMM with MPI's own message instead of aborting the job, and then
+   gives the caller's error handler back (the manners the MPI standard asks of a library). */
 
 static uly_status uly__mpi(int rc, const char *call) {
     char text[MPI_MAX_ERROR_STRING];
@@ -1229,8 +1239,35 @@ static uly_status uly__mpi(int rc, const char *call) {
     return uly__err(ULY_ECOMM, "%s: %s", call, text);
 }
 
+/* The caller's error handler of comm goes to *old, and MPI_ERRORS_RETURN takes its place. */
+static uly_status uly__mpi_enter(MPI_Comm comm, MPI_Errhandler *old) {
+    ULY__TRY(uly__mpi(MPI_Comm_get_errhandler(comm, old), "MPI_Comm_get_errhandler"));
+    const int rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    if (rc != MPI_SUCCESS) MPI_Errhandler_free(old);
+    return uly__mpi(rc, "MPI_Comm_set_errhandler");
+}
+
+/* Puts the caller's handler back on comm; st, or else the failure to put it back. */
+static uly_status uly__mpi_leave(MPI_Comm comm, MPI_Errhandler *old, uly_status st) {
+    const uly_status back =
+        uly__mpi(MPI_Comm_set_errhandler(comm, *old), "MPI_Comm_set_errhandler");
+    MPI_Errhandler_free(old);
+    return st.code ? st : back;
+}
+
 /* The tag of the chunked messages: "ul", under the 32767 every MPI allows. */
 enum { ULY__MPI_TAG = 0x756c };
+
+/* Waits for n requests; a failure is the first failed request's own error, not
+   MPI_ERR_IN_STATUS. */
+static uly_status uly__mpi_wait(int n, MPI_Request *req) {
+    MPI_Status status[2 * ULY_MAX_SP];
+    const int rc = MPI_Waitall(n, req, status);
+    for (int i = 0; rc == MPI_ERR_IN_STATUS && i < n; i++)
+        if (status[i].MPI_ERROR != MPI_SUCCESS && status[i].MPI_ERROR != MPI_ERR_PENDING)
+            return uly__mpi(status[i].MPI_ERROR, "MPI_Waitall");
+    return uly__mpi(rc, "MPI_Waitall");
+}
 
 /* Moves the pairs whose count exceeds chunk bytes in rounds: round k carries the k-th chunk of
    each of those messages, so a round needs at most 2P requests and no message exceeds chunk. */
@@ -1250,7 +1287,7 @@ static uly_status uly__mpi_chunked(MPI_Comm comm, int P, int64_t chunk, const ch
                                 ULY__MPI_TAG, comm, &req[n++]);
         ULY__TRY(uly__mpi(err, "MPI_Isend/MPI_Irecv"));
         if (!n) return uly__ok();
-        ULY__TRY(uly__mpi(MPI_Waitall(n, req, MPI_STATUSES_IGNORE), "MPI_Waitall"));
+        ULY__TRY(uly__mpi_wait(n, req));
     }
 }
 
@@ -1274,24 +1311,50 @@ static uly_status uly__mpi_block(int64_t n, int64_t off, int64_t chunk, MPI_Data
     return uly__mpi(MPI_Type_commit(type), "MPI_Type_commit");
 }
 
-/* Pairs whose count fits a chunk move in one MPI_Alltoallw, larger ones in chunked messages.
-   Both ends of a pair see the same count, so every rank makes the same choice without asking.
-   A rank that rejects its arguments returns before the collective, and, as in any MPI
-   collective, its peers wait for it. */
-static uly_status uly__mpi_alltoallv(void *ctx, const void *send, const int64_t *send_counts,
-                                     const int64_t *send_offs, void *recv,
-                                     const int64_t *recv_counts, const int64_t *recv_offs,
-                                     void *stream) {
-    uly_mpi *m = (uly_mpi *)ctx;
+/* Every rank tells each peer how many bytes it sends it (-1: none, as this rank's own arguments
+   failed: mine), and all learn whether any rank got a count it does not expect. So bad counts or
+   arguments on one rank fail every rank before a byte moves: none waits for a rank that
+   returned, and no chunked message is left behind for the next call's receives to take. */
+static uly_status uly__mpi_agree(MPI_Comm comm, int P, uly_status mine, const int64_t *sc,
+                                 const int64_t *rc) {
+    int64_t out[ULY_MAX_SP], in[ULY_MAX_SP];
+    uly_status st = mine;
+    int failed;
+    for (int j = 0; j < P; j++) out[j] = mine.code ? -1 : sc[j];
+    ULY__TRY(uly__mpi(MPI_Alltoall(out, 1, MPI_INT64_T, in, 1, MPI_INT64_T, comm),
+                      "MPI_Alltoall"));
+    for (int i = 0; i < P && !st.code; i++) {
+        if (in[i] < 0)
+            st = uly__err(ULY_ECOMM, "alltoallv: rank %d failed (bad arguments) and sends nothing",
+                          i);
+        else if (in[i] != rc[i])
+            st = uly__err(ULY_ECOMM, "alltoallv: rank %d sends %lld bytes to this rank, which "
+                          "expects %lld", i, ULY__LL(in[i]), ULY__LL(rc[i]));
+    }
+    failed = st.code != 0;
+    ULY__TRY(uly__mpi(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_SUM, comm),
+                      "MPI_Allreduce"));
+    ULY__TRY(st);
+    ULY__CHECK(!failed, ULY_ECOMM, "alltoallv: %d rank(s) failed (bad arguments, or counts that "
+               "do not match their senders')", failed);
+    return uly__ok();
+}
+
+/* Once the ranks agree on the counts, pairs whose count fits a chunk move in one MPI_Alltoallw,
+   larger ones in chunked messages: both ends of a pair see the same count, so they make the
+   same choice. */
+static uly_status uly__mpi_exchange(uly_mpi *m, const void *send, const int64_t *send_counts,
+                                    const int64_t *send_offs, void *recv,
+                                    const int64_t *recv_counts, const int64_t *recv_offs) {
     int64_t chunk = m->chunk_bytes ? m->chunk_bytes : INT_MAX;
     int P, sn[ULY_MAX_SP], rn[ULY_MAX_SP], sd[ULY_MAX_SP], rd[ULY_MAX_SP];
     MPI_Datatype stype[ULY_MAX_SP], rtype[ULY_MAX_SP];
-    uly_status st = uly__ok();
-    (void)stream;
+    uly_status st;
     ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &P), "MPI_Comm_size"));
     ULY__CHECK(P <= ULY_MAX_SP, ULY_EINVAL, "alltoallv: the communicator has %d ranks, more than "
                "ULY_MAX_SP (%d): an SP group is at most that", P, ULY_MAX_SP);
-    ULY__TRY(uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs));
+    st = uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs);
+    ULY__TRY(uly__mpi_agree(m->comm, P, st, send_counts, recv_counts));
     for (int j = 0; j < P; j++) stype[j] = rtype[j] = MPI_BYTE;
     for (int j = 0; j < P && !st.code; j++) {
         st = uly__mpi_block(send_counts[j], send_offs[j], chunk, &stype[j], &sn[j], &sd[j]);
@@ -1310,33 +1373,63 @@ static uly_status uly__mpi_alltoallv(void *ctx, const void *send, const int64_t 
                             (char *)recv, recv_counts, recv_offs);
 }
 
-static uly_status uly__mpi_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
+static uly_status uly__mpi_alltoallv(void *ctx, const void *send, const int64_t *send_counts,
+                                     const int64_t *send_offs, void *recv,
+                                     const int64_t *recv_counts, const int64_t *recv_offs,
+                                     void *stream) {
     uly_mpi *m = (uly_mpi *)ctx;
+    MPI_Errhandler old;
     (void)stream;
+    ULY__TRY(uly__mpi_enter(m->comm, &old));
+    return uly__mpi_leave(m->comm, &old, uly__mpi_exchange(m, send, send_counts, send_offs, recv,
+                                                           recv_counts, recv_offs));
+}
+
+static uly_status uly__mpi_sum(MPI_Comm comm, double *buf, int64_t n) {
     ULY__CHECK(n >= 0 && (buf || !n), ULY_EINVAL, "allreduce_sum: n (%lld) must be >= 0 and buf "
                "not NULL", ULY__LL(n));
     for (int64_t at = 0; at < n; at += INT_MAX)
         ULY__TRY(uly__mpi(MPI_Allreduce(MPI_IN_PLACE, buf + at, (int)uly__min(n - at, INT_MAX),
-                                        MPI_DOUBLE, MPI_SUM, m->comm), "MPI_Allreduce"));
+                                        MPI_DOUBLE, MPI_SUM, comm), "MPI_Allreduce"));
     return uly__ok();
 }
 
+static uly_status uly__mpi_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
+    const MPI_Comm comm = ((uly_mpi *)ctx)->comm;
+    MPI_Errhandler old;
+    (void)stream;
+    ULY__TRY(uly__mpi_enter(comm, &old));
+    return uly__mpi_leave(comm, &old, uly__mpi_sum(comm, buf, n));
+}
+
 static uly_status uly__mpi_barrier(void *ctx) {
-    return uly__mpi(MPI_Barrier(((uly_mpi *)ctx)->comm), "MPI_Barrier");
+    const MPI_Comm comm = ((uly_mpi *)ctx)->comm;
+    MPI_Errhandler old;
+    ULY__TRY(uly__mpi_enter(comm, &old));
+    return uly__mpi_leave(comm, &old, uly__mpi(MPI_Barrier(comm), "MPI_Barrier"));
+}
+
+/* An intracommunicator's size and this process's rank in it. */
+static uly_status uly__mpi_group(MPI_Comm comm, const char *name, int *size, int *rank) {
+    int inter = 0;
+    ULY__TRY(uly__mpi(MPI_Comm_test_inter(comm, &inter), "MPI_Comm_test_inter"));
+    ULY__CHECK(!inter, ULY_EINVAL, "%s is an intercommunicator: ranks of one group exchange here",
+               name);
+    ULY__TRY(uly__mpi(MPI_Comm_size(comm, size), "MPI_Comm_size"));
+    return uly__mpi(MPI_Comm_rank(comm, rank), "MPI_Comm_rank");
 }
 
 /* The comm keeps a pointer to m, which must outlive it. */
 static uly_status uly__mpi_comm(uly_mpi *m, uly_comm *out) {
     int size, rank;
+    MPI_Errhandler old;
     ULY__CHECK(m && out, ULY_EINVAL, "%s is NULL", m ? "out" : "m");
     ULY__CHECK(m->comm != MPI_COMM_NULL, ULY_EINVAL, "m->comm is MPI_COMM_NULL");
     ULY__CHECK(m->chunk_bytes >= 0 && m->chunk_bytes <= INT_MAX, ULY_EINVAL,
                "chunk_bytes (%lld) must be in [0, INT_MAX] (0 = INT_MAX)",
                ULY__LL(m->chunk_bytes));
-    ULY__TRY(uly__mpi(MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN),
-                      "MPI_Comm_set_errhandler"));
-    ULY__TRY(uly__mpi(MPI_Comm_size(m->comm, &size), "MPI_Comm_size"));
-    ULY__TRY(uly__mpi(MPI_Comm_rank(m->comm, &rank), "MPI_Comm_rank"));
+    ULY__TRY(uly__mpi_enter(m->comm, &old));
+    ULY__TRY(uly__mpi_leave(m->comm, &old, uly__mpi_group(m->comm, "m->comm", &size, &rank)));
     memset(out, 0, sizeof *out);
     out->size = size, out->rank = rank;
     out->alltoallv = uly__mpi_alltoallv;
@@ -1351,18 +1444,36 @@ ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out) {
 }
 
 /* SP groups are sp_size consecutive ranks (color rank / sp_size); a DP group takes the ranks
-   with the same position in each SP group (color rank % sp_size). */
-static uly_status uly__mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {
-    int size, rank;
+   with the same position in each SP group (color rank % sp_size). The ranks first learn each
+   other's sp_size (0 for a rank whose arguments are bad), so that all refuse alike instead of
+   some waiting for the others in a split, or splitting into groups that do not fit. */
+static uly_status uly__mpi_split_world(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {
+    int size, rank, rc;
+    const int mine = sp && dp && sp_size >= 1 && sp_size <= ULY_MAX_SP ? sp_size : 0;
+    int range[2] = {mine, -mine}; /* the world's smallest sp_size, and its largest negated */
+    ULY__TRY(uly__mpi_group(world, "world", &size, &rank));
+    ULY__TRY(uly__mpi(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_INT, MPI_MIN, world),
+                      "MPI_Allreduce"));
     ULY__CHECK(sp && dp, ULY_EINVAL, "%s is NULL", sp ? "dp" : "sp");
-    ULY__CHECK(world != MPI_COMM_NULL, ULY_EINVAL, "world is MPI_COMM_NULL");
-    ULY__TRY(uly__mpi(MPI_Comm_size(world, &size), "MPI_Comm_size"));
-    ULY__TRY(uly__mpi(MPI_Comm_rank(world, &rank), "MPI_Comm_rank"));
-    ULY__CHECK(sp_size >= 1 && sp_size <= ULY_MAX_SP && size % sp_size == 0, ULY_EINVAL,
-               "sp_size (%d) must be in [1, %d] and divide the world size (%d)", sp_size,
-               ULY_MAX_SP, size);
+    ULY__CHECK(mine, ULY_EINVAL, "sp_size (%d) must be in [1, %d]", sp_size, ULY_MAX_SP);
+    ULY__CHECK(range[0] == -range[1], ULY_EINVAL, "sp_size differs between the world's ranks: "
+               "from %d to %d (0: a rank's sp_size out of range, or its sp or dp NULL), %d here",
+               range[0], -range[1], sp_size);
+    ULY__CHECK(size % sp_size == 0, ULY_EINVAL, "sp_size (%d) must divide the world size (%d)",
+               sp_size, size);
     ULY__TRY(uly__mpi(MPI_Comm_split(world, rank / sp_size, rank, sp), "MPI_Comm_split (sp)"));
-    return uly__mpi(MPI_Comm_split(world, rank % sp_size, rank, dp), "MPI_Comm_split (dp)");
+    rc = MPI_Comm_split(world, rank % sp_size, rank, dp);
+    if (rc != MPI_SUCCESS) MPI_Comm_free(sp); /* and *sp is MPI_COMM_NULL again */
+    return uly__mpi(rc, "MPI_Comm_split (dp)");
+}
+
+static uly_status uly__mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {
+    MPI_Errhandler old;
+    ULY__CHECK(world != MPI_COMM_NULL, ULY_EINVAL, "world is MPI_COMM_NULL");
+    if (sp) *sp = MPI_COMM_NULL;
+    if (dp) *dp = MPI_COMM_NULL;
+    ULY__TRY(uly__mpi_enter(world, &old));
+    return uly__mpi_leave(world, &old, uly__mpi_split_world(world, sp_size, sp, dp));
 }
 
 ULYDEF uly_status uly_mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {

@@ -50,6 +50,16 @@ int MPI_Recv(void *buf, int count, MPI_Datatype type, int src, int tag, MPI_Comm
     msg_seen(count, 0);
     return PMPI_Recv(buf, count, type, src, tag, comm, status);
 }
+/* While fail_waitall is set, MPI_Waitall completes its requests and then reports the first as
+   truncated, as MPI reports a failed request among several. */
+static int fail_waitall;
+int MPI_Waitall(int n, MPI_Request *req, MPI_Status *status) {
+    const int rc = PMPI_Waitall(n, req, status);
+    if (rc != MPI_SUCCESS || !fail_waitall || n < 1 || status == MPI_STATUSES_IGNORE) return rc;
+    status[0].MPI_ERROR = MPI_ERR_TRUNCATE;
+    for (int i = 1; i < n; i++) status[i].MPI_ERROR = MPI_SUCCESS;
+    return MPI_ERR_IN_STATUS;
+}
 /* Alltoallw's blocks are counts of per-peer types: their sizes in bytes are what MPI moves. */
 int MPI_Alltoallw(const void *sbuf, const int *sc, const int *sd, const MPI_Datatype *st,
                   void *rbuf, const int *rc, const int *rd, const MPI_Datatype *rt, MPI_Comm comm) {
@@ -291,6 +301,116 @@ TEST(alltoallv_places_blocks_at_offsets_beyond_INT_MAX_bytes) {
 }
 
 TEST(alltoallv_without_chunk_limit_honours_counts_and_offsets) { check_alltoallv(0); }
+
+/* 3000 bytes from every rank to every other, in 1000-byte chunks: `bad` breaks one call on rank
+   1 (expects 2000 from rank 0, or passes send NULL). Every rank fails that call, before any
+   byte moves (a chunk left behind would be taken by the next call's receive), and the next
+   call, with the same buffers, moves every byte. st: this rank's status of the broken call;
+   wrong: bytes the next call got wrong. */
+static void broken_then_whole(int bad, uly_status *st, int64_t *wrong) {
+    enum { N = 3000 };
+    const int P = world_size, me = world_rank;
+    int64_t sc[ULY_MAX_SP], so[ULY_MAX_SP], rc[ULY_MAX_SP], ro[ULY_MAX_SP];
+    unsigned char *send = (unsigned char *)malloc((size_t)P * N);
+    unsigned char *recv = (unsigned char *)malloc((size_t)P * N);
+    for (int j = 0; j < P; j++) {
+        sc[j] = rc[j] = N, so[j] = ro[j] = (int64_t)j * N;
+        for (int64_t k = 0; k < N; k++) send[j * N + k] = a2a_byte(me, j, k);
+    }
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 1000);
+    if (me == 1 && bad == 1) rc[0] = 2000;
+    *st = comm.alltoallv(comm.ctx, me == 1 && bad == 2 ? NULL : send, sc, so, recv, rc, ro, NULL);
+    rc[0] = N;
+    memset(recv, 0xAB, (size_t)P * N);
+    uly_status next = comm.alltoallv(comm.ctx, send, sc, so, recv, rc, ro, NULL);
+    ALL_CHECK(!next.code, "the next call: %s", next.msg);
+    *wrong = 0;
+    for (int i = 0; i < P; i++)
+        for (int64_t k = 0; k < N; k++) *wrong += recv[i * N + k] != a2a_byte(i, me, k);
+    free(send), free(recv);
+}
+
+TEST(alltoallv_counts_that_do_not_match_fail_every_rank_and_leave_nothing_behind) {
+    uly_status st;
+    int64_t wrong;
+    broken_then_whole(1, &st, &wrong);
+    const char *want = world_rank == 1 ? "rank 0 sends 3000 bytes to this rank, which expects 2000"
+                                       : "1 rank(s) failed";
+    ALL_CHECK(st.code == ULY_ECOMM && strstr(st.msg, want), "'%s', want '%s'", st.msg, want);
+    ALL_CHECK(wrong == 0, "the next call got %lld bytes wrong", (long long)wrong);
+}
+
+TEST(alltoallv_bad_arguments_on_one_rank_fail_every_rank) {
+    uly_status st;
+    int64_t wrong;
+    broken_then_whole(2, &st, &wrong);
+    const char *want = world_rank == 1 ? "send is NULL" : "rank 1 failed (bad arguments)";
+    ALL_CHECK(st.code == (world_rank == 1 ? ULY_EINVAL : ULY_ECOMM) && strstr(st.msg, want),
+              "'%s', want '%s'", st.msg, want);
+    ALL_CHECK(wrong == 0, "the next call got %lld bytes wrong", (long long)wrong);
+}
+
+/* A failed request among those a chunked round waits for is reported by its own error, not as
+   MPI_ERR_IN_STATUS ("see the statuses"). */
+TEST(alltoallv_reports_a_failed_request_by_its_own_error) {
+    char truncated[MPI_MAX_ERROR_STRING];
+    int n;
+    MPI_Error_string(MPI_ERR_TRUNCATE, truncated, &n);
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 1000);
+    const int P = world_size;
+    int64_t c[ULY_MAX_SP], o[ULY_MAX_SP];
+    char *send = (char *)calloc((size_t)P, 2000), *recv = (char *)malloc((size_t)P * 2000);
+    for (int j = 0; j < P; j++) c[j] = 2000, o[j] = 2000 * (int64_t)j;
+    fail_waitall = 1;
+    uly_status st = comm.alltoallv(comm.ctx, send, c, o, recv, c, o, NULL);
+    fail_waitall = 0;
+    ALL_CHECK(st.code == ULY_ECOMM && strstr(st.msg, "MPI_Waitall: ") && strstr(st.msg, truncated),
+              "'%s', want MPI_Waitall: %s", st.msg, truncated);
+    free(send), free(recv);
+}
+
+/* Every call leaves the caller's error handler on its communicator (the default: fatal). */
+TEST(mpi_calls_give_the_callers_error_handler_back) {
+    uly_mpi m;
+    uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 0);
+    double x = 1;
+    int64_t z[ULY_MAX_SP] = {0};
+    uly_status st = comm.allreduce_sum(comm.ctx, &x, 1, NULL);
+    if (!st.code) st = comm.barrier(comm.ctx);
+    if (!st.code) st = comm.alltoallv(comm.ctx, NULL, z, z, NULL, z, z, NULL);
+    MPI_Comm sp, dp;
+    if (!st.code) st = uly_mpi_split(MPI_COMM_WORLD, 2, &sp, &dp);
+    ALL_CHECK(!st.code, "%s", st.msg);
+    if (!st.code) MPI_Comm_free(&sp), MPI_Comm_free(&dp);
+    MPI_Errhandler h;
+    MPI_Comm_get_errhandler(MPI_COMM_WORLD, &h);
+    ALL_CHECK(h == MPI_ERRORS_ARE_FATAL, "MPI_COMM_WORLD's handler is not MPI_ERRORS_ARE_FATAL");
+    MPI_Errhandler_free(&h);
+}
+
+/* A split that one rank asks differently (another sp_size, one out of range, a NULL dp) fails
+   on every rank, which makes no communicator, instead of leaving peers in a split. */
+TEST(mpi_split_asked_differently_by_one_rank_fails_on_every_rank) {
+    static const struct {
+        int sp_size_of_rank_3, null_dp;
+        const char *rank_3_says;
+    } cases[] = {{4, 0, "differs between the world's ranks: from 2 to 4"},
+                 {0, 0, "sp_size (0) must be in [1, 256]"},
+                 {2, 1, "dp is NULL"}};
+    for (int i = 0; i < 3; i++) {
+        MPI_Comm sp = MPI_COMM_WORLD, dp = MPI_COMM_WORLD;
+        const int me3 = world_rank == 3;
+        uly_status st = uly_mpi_split(MPI_COMM_WORLD, me3 ? cases[i].sp_size_of_rank_3 : 2, &sp,
+                                      me3 && cases[i].null_dp ? NULL : &dp);
+        const char *want = me3 ? cases[i].rank_3_says : "sp_size differs between the world's";
+        ALL_CHECK(st.code == ULY_EINVAL && strstr(st.msg, want) && sp == MPI_COMM_NULL &&
+                      (dp == MPI_COMM_NULL || (me3 && cases[i].null_dp)),
+                  "case %d: '%s', want '%s'; sp %s, dp %s", i, st.msg, want,
+                  sp == MPI_COMM_NULL ? "null" : "set", dp == MPI_COMM_NULL ? "null" : "set");
+    }
+}
 
 TEST(allreduce_sum_adds_every_ranks_doubles_in_place) {
     uly_mpi m;
