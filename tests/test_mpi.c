@@ -371,6 +371,23 @@ TEST(alltoallv_reports_a_failed_request_by_its_own_error) {
     free(send), free(recv);
 }
 
+/* An intercommunicator (two groups: ranks 0, 1 and ranks 2, 3) is refused, by uly_mpi_comm and
+   by uly_mpi_split: its sizes and collectives are the other group's. */
+TEST(mpi_comm_and_split_refuse_an_intercommunicator) {
+    MPI_Comm half, inter, sp, dp;
+    MPI_Comm_split(MPI_COMM_WORLD, world_rank / 2, world_rank, &half);
+    MPI_Intercomm_create(half, 0, MPI_COMM_WORLD, world_rank < 2 ? 2 : 0, 7, &inter);
+    uly_mpi m = {inter, 0};
+    uly_comm c;
+    uly_status st = uly_mpi_comm(&m, &c);
+    ALL_CHECK(st.code == ULY_EINVAL && strstr(st.msg, "m->comm is an intercommunicator"), "%s",
+              st.msg);
+    st = uly_mpi_split(inter, 1, &sp, &dp);
+    ALL_CHECK(st.code == ULY_EINVAL && strstr(st.msg, "world is an intercommunicator"), "%s",
+              st.msg);
+    MPI_Comm_free(&inter), MPI_Comm_free(&half);
+}
+
 /* Every call leaves the caller's error handler on its communicator (the default: fatal). */
 TEST(mpi_calls_give_the_callers_error_handler_back) {
     uly_mpi m;
