@@ -1294,7 +1294,8 @@ static uly_status uly__mpi_chunked(MPI_Comm comm, int P, int64_t chunk, const ch
 /* The block of n bytes at byte offset off as MPI_Alltoallw sees it: n bytes at displacement
    off, or, beyond an int displacement, one block of a type that carries its offset as an
    MPI_Aint; nothing for a pair that is empty or chunked. Each rank picks its own types (MPI
-   matches bytes, not types), so no offset is out of reach and no rank needs to ask its peers. */
+   matches type signatures, and both are n MPI_BYTEs), so no offset is out of reach and no rank
+   needs to ask its peers. */
 static uly_status uly__mpi_block(int64_t n, int64_t off, int64_t chunk, MPI_Datatype *type,
                                  int *count, int *at) {
     MPI_Aint far = (MPI_Aint)off;
