@@ -368,46 +368,64 @@ TEST(ldmatrix_reads_have_no_bank_conflicts) {
 #endif
 
 #ifdef ULY_EMU
+/* The forward and backward of c on tensors in one sparse mapping far larger than what they
+   touch (device memory is host memory under the emulator): token rows ss elements apart, heads
+   sh, each tensor at its own offset in a row; checked as check_case checks. */
+static void check_sparse(const fcase &c, int64_t ss, int64_t sh) {
+    const size_t bytes = (size_t)(c.B * c.Sq * ss) * 2;
+    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    CHECK(map != MAP_FAILED, "mmap of %zu bytes", bytes);
+    if (map == MAP_FAILED) return;
+    uint16_t *mem = (uint16_t *)map;
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    uly_tensor *const t[8] = {&a.q, &a.k, &a.v, &a.dout, &a.o, &a.dq, &a.dk, &a.dv};
+    for (int i = 0; i < 8; i++) {
+        const bool kv = t[i] == &a.k || t[i] == &a.v || t[i] == &a.dk || t[i] == &a.dv;
+        *t[i] = uly_dense(mem + i * c.D, c.dt, c.B, c.Sq, kv ? c.Hkv : c.H, c.D);
+        t[i]->sh = sh, t[i]->ss = ss, t[i]->sb = c.Sq * ss;
+    }
+    const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
+    const std::pair<const uly_tensor *, const fvec *> ins[4] = {
+        {&a.q, &in.q}, {&a.k, &in.k}, {&a.v, &in.v}, {&a.dout, &in.dout}};
+    for (const auto &x : ins) put_rows((uint16_t *)x.first->data, *x.first, *x.second);
+    const std::vector<int> cu = dense_cu(c.B, c.Sq);
+    run_out got;
+    got.ok = run_kernels(c, cu, cu, false, uly_flash_attention(), a, &got.lse);
+    const std::pair<const uly_tensor *, fvec *> outs[4] = {
+        {&a.o, &got.o}, {&a.dq, &got.dq}, {&a.dk, &got.dk}, {&a.dv, &got.dv}};
+    for (const auto &x : outs) *x.second = get_rows((const uint16_t *)x.first->data, *x.first);
+    if (got.ok) {
+        const outputs cpu = run_cpu(c, in);
+        check_outputs(c, got, reference(c, cu, cu, false, in, false),
+                      reference(c, cu, cu, false, in, true), &cpu);
+    }
+    munmap(map, bytes);
+}
+
 /* 64-bit offsets: 1M tokens x 32 heads x 128 dims is 2^32 elements, so offsets past int32 are
-   the everyday case. Under the emulator device memory is host memory, and the eight tensors lie
-   in one sparse mapping far larger than what they touch: token rows 2^25 elements apart, heads
-   2^23, each tensor at its own offset in a row. 65 tokens span 2^31 + 2^25 elements and batch 1
-   begins there; a row offset computed in 32 bits reads or writes the wrong row. */
+   the everyday case. Token rows 2^25 elements apart, heads 2^23: 65 tokens span 2^31 + 2^25
+   elements and batch 1 begins there; a row offset computed in 32 bits reads or writes the wrong
+   row. */
 TEST(offsets_past_int32) {
-    const int64_t ss = int64_t(1) << 25, sh = int64_t(1) << 23;
     for (int deterministic : {0, 1}) {
         fcase c = make_case({2, 65, 65, 2, 1, 1}, 128, ULY_BF16);
         c.deterministic = deterministic;
-        const size_t bytes = (size_t)(c.B * c.Sq * ss) * 2;
-        void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE,
-                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        CHECK(map != MAP_FAILED, "mmap of %zu bytes", bytes);
-        if (map == MAP_FAILED) return;
-        uint16_t *mem = (uint16_t *)map;
-        uly_attn_args a;
-        memset(&a, 0, sizeof a);
-        uly_tensor *const t[8] = {&a.q, &a.k, &a.v, &a.dout, &a.o, &a.dq, &a.dk, &a.dv};
-        for (int i = 0; i < 8; i++) {
-            const bool kv = t[i] == &a.k || t[i] == &a.v || t[i] == &a.dk || t[i] == &a.dv;
-            *t[i] = uly_dense(mem + i * c.D, c.dt, c.B, c.Sq, kv ? c.Hkv : c.H, c.D);
-            t[i]->sh = sh, t[i]->ss = ss, t[i]->sb = c.Sq * ss;
-        }
-        const inputs in = make_inputs(c, c.B * c.Sq, c.B * c.Sk);
-        const std::pair<const uly_tensor *, const fvec *> ins[4] = {
-            {&a.q, &in.q}, {&a.k, &in.k}, {&a.v, &in.v}, {&a.dout, &in.dout}};
-        for (const auto &x : ins) put_rows((uint16_t *)x.first->data, *x.first, *x.second);
-        const std::vector<int> cu = dense_cu(c.B, c.Sq);
-        run_out got;
-        got.ok = run_kernels(c, cu, cu, false, uly_flash_attention(), a, &got.lse);
-        const std::pair<const uly_tensor *, fvec *> outs[4] = {
-            {&a.o, &got.o}, {&a.dq, &got.dq}, {&a.dk, &got.dk}, {&a.dv, &got.dv}};
-        for (const auto &x : outs) *x.second = get_rows((const uint16_t *)x.first->data, *x.first);
-        if (got.ok) {
-            const outputs cpu = run_cpu(c, in);
-            check_outputs(c, got, reference(c, cu, cu, false, in, false),
-                          reference(c, cu, cu, false, in, true), &cpu);
-        }
-        munmap(map, bytes);
+        check_sparse(c, int64_t(1) << 25, int64_t(1) << 23);
+    }
+}
+
+/* The same with Sq = Sk = 130 and rows 2^27 elements apart. Three forward key blocks (BN = 64):
+   the forward loads key block 1, 64 rows = 2^33 elements in, while it works on block 2, and one
+   16-row round of a tile's cp.async (D = 64: 128 threads of 8 chunks a row) steps 2^31 elements.
+   offsets_past_int32 reaches neither (its 65 keys are two key blocks, its D = 128 rounds are 8
+   rows of 2^25). H = 1, so sh is never applied. */
+TEST(offsets_past_int32_in_later_key_blocks_and_tile_rounds) {
+    for (int deterministic : {0, 1}) {
+        fcase c = make_case({1, 130, 130, 1, 1, 0}, 64, ULY_BF16);
+        c.deterministic = deterministic;
+        check_sparse(c, int64_t(1) << 27, 1);
     }
 }
 #endif
@@ -540,20 +558,20 @@ TEST(rejects_what_the_kernels_do_not_take) {
     CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "16-byte"), "misaligned: %s", st.msg);
 }
 
-/* Arguments every flash call takes: eight padded bf16 tensors of one shape [B, S, H, 64] (q, k,
+/* Arguments every flash call takes: eight padded bf16 tensors of one shape [B, S, H, D] (q, k,
    v, o, dout, dq, dk, dv; strides multiples of 8), lse, and the backward's workspace, on the
    device. The misuse tests break one thing each; the checks come before any kernel reads
-   memory. */
+   memory. D is 64 unless given. */
 typedef struct flash_args {
     uly_attn_args a;
     dev_tensor x[8];
 } flash_args;
 
-static flash_args valid_args(int64_t B, int64_t S, int64_t H) {
+static flash_args valid_args(int64_t B, int64_t S, int64_t H, int64_t D = 64) {
     flash_args f;
     memset(&f, 0, sizeof f);
     uly_tensor *const t[8] = {&f.a.q, &f.a.k, &f.a.v, &f.a.o, &f.a.dout, &f.a.dq, &f.a.dk, &f.a.dv};
-    for (int i = 0; i < 8; i++) f.x[i] = dev_alloc(ULY_BF16, B, S, H, 64, 1), *t[i] = f.x[i].t;
+    for (int i = 0; i < 8; i++) f.x[i] = dev_alloc(ULY_BF16, B, S, H, D, 1), *t[i] = f.x[i].t;
     cudaMalloc((void **)&f.a.lse, (size_t)(B * H * S * 4));
     const uly_attn fa = uly_flash_attention();
     f.a.workspace_bytes = fa.workspace(fa.ctx, &f.a);
@@ -859,6 +877,74 @@ TEST(nothing_written_past_lse_or_workspace) {
     }
 }
 
+/* Rows move in 16-byte chunks (16-byte cp.async, uint4 stores), which a GPU faults on at an
+   address 8 bytes off 16-byte alignment: a tensor 8 bytes off is refused as one 2 bytes off is
+   (rejects_what_the_kernels_do_not_take), each of the eight in the calls that read or write it. */
+TEST(rejects_data_8_bytes_off_16_byte_alignment) {
+    flash_args f = valid_args(2, 16, 2);
+    const uly_attn fa = uly_flash_attention();
+    const uly_attn_args good = f.a;
+    typedef uly_tensor uly_attn_args::*tensor_of;
+    const tensor_of ts[8] = {&uly_attn_args::q,  &uly_attn_args::k,    &uly_attn_args::v,
+                             &uly_attn_args::o,  &uly_attn_args::dout, &uly_attn_args::dq,
+                             &uly_attn_args::dk, &uly_attn_args::dv};
+    const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
+    for (int i = 0; i < 8; i++) {
+        f.a = good;
+        (f.a.*ts[i]).data = (char *)(f.a.*ts[i]).data + 8;
+        char what[64];
+        snprintf(what, sizeof what, "%s: rows move in 16-byte", names[i]);
+        expect_status(fa.check(fa.ctx, &f.a, 1), ULY_EUNSUPPORTED, what, names[i]);
+        if (i < 4) expect_status(fa.check(fa.ctx, &f.a, 0), ULY_EUNSUPPORTED, what, names[i]);
+    }
+    f.a = good;
+    free_args(f);
+}
+
+#ifdef ULY_EMU
+/* A GPU that gives a block less shared memory than a kernel needs refuses the call before
+   anything runs, in the direction that needs it. At an sm_86's 99 KB (101376 bytes) the
+   backward's dK/dV kernel at D = 128 (164864 bytes) is refused while its forward (64 KB) and
+   the backward at D = 64 (99328 bytes) are taken; at 60 KB the forward at D = 128 is refused. */
+TEST(refuses_what_the_gpu_shared_memory_cannot_hold) {
+    const struct {
+        size_t optin;
+        int64_t D;
+        int backward, ok;
+    } runs[] = {{101376, 128, 1, 0}, {101376, 128, 0, 1}, {101376, 64, 1, 1}, {61440, 128, 0, 0}};
+    const uly_attn fa = uly_flash_attention();
+    for (const auto &r : runs) {
+        flash_args f = valid_args(1, 16, 2, r.D);
+        char what[64];
+        snprintf(what, sizeof what, "%zu bytes, D=%lld, backward=%d", r.optin, (long long)r.D,
+                 r.backward);
+        uly_emu_set_smem_optin(r.optin);
+        const uly_status st = fa.check(fa.ctx, &f.a, r.backward);
+        uly_emu_set_smem_optin(0);
+        expect_status(st, r.ok ? ULY_OK : ULY_EUNSUPPORTED, r.ok ? "" : "shared memory", what);
+        free_args(f);
+    }
+}
+#endif
+
+/* A negative max_seqlen_q or max_seqlen_k is refused up front, as one past q.s or k.s is. Let
+   through, every document is longer than it, and the cu_seqlens check kernel traps: on a GPU
+   that ends the CUDA context. */
+TEST(varlen_rejects_a_negative_max_seqlen) {
+    flash_args f = valid_args(1, 70, 2);
+    int32_t *cu = NULL;
+    const uly_varlen good = varlen_on_device({0, 40, 70}, {0, 30, 70}, &cu);
+    for (int k = 0; k < 2; k++) {
+        uly_varlen vl = good;
+        (k ? vl.max_seqlen_k : vl.max_seqlen_q) = -1;
+        const char *what = k ? "max_seqlen_k -1" : "max_seqlen_q -1";
+        expect_status(uly_flash_varlen_fwd(&f.a, &vl), ULY_EINVAL, "varlen", what);
+        expect_status(uly_flash_varlen_bwd(&f.a, &vl), ULY_EINVAL, "varlen", what);
+    }
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "nothing ran that failed");
+    free_args(f);
+    cudaFree(cu);
+}
 
 int main(void) {
 #ifdef ULY_EMU
