@@ -1075,8 +1075,8 @@ static uly_status uly__nccl_alltoall(void *ctx, const void *send, void *recv, in
     ULY__TRY(uly__nccl(ncclCommCount(n->comm, &P), n->comm, "alltoall: ncclCommCount"));
     const int64_t all = uly__mul(P, bytes);
     ULY__CHECK(bytes >= 0 && all >= 0 && ((send && recv) || !bytes), ULY_EINVAL, "alltoall: "
-               "bytes (%lld) must be >= 0 with %d of them fitting int64, and send and recv not "
-               "NULL", ULY__LL(bytes), P);
+               "bytes (%lld) must be >= 0 and %d times it fit int64, and send and recv not NULL",
+               ULY__LL(bytes), P);
     ULY__CHECK(!uly__meet(send, all, recv, all), ULY_EINVAL, "alltoall: send and recv (%lld "
                "bytes each) overlap: an exchange cannot run in place", ULY__LL(all));
     ULY__TRY(uly__nccl_ready(n->comm, ncclAlltoAll(send, recv, (size_t)bytes, ncclUint8, n->comm,
