@@ -796,8 +796,10 @@ TEST(every_tensor_has_its_own_strides) {
         }
 }
 
-/* Every tensor's stride rule, not only q, k, o and dk's: each of the eight with sh 68. */
-TEST(rejects_strides_not_multiples_of_8_for_every_tensor) {
+/* Breaks one tensor of valid args with `breaks`, for each of the eight, and expects every call
+   that reads or writes it (the backward all eight; the forward q, k, v, o) to refuse it as
+   rows that cannot move in 16-byte chunks. */
+static void expect_each_tensor_refused(void (*breaks)(uly_tensor *)) {
     flash_args f = valid_args(2, 16, 2);
     const uly_attn fa = uly_flash_attention();
     const uly_attn_args good = f.a;
@@ -807,7 +809,8 @@ TEST(rejects_strides_not_multiples_of_8_for_every_tensor) {
                              &uly_attn_args::dk, &uly_attn_args::dv};
     const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
     for (int i = 0; i < 8; i++) {
-        f.a = good, (f.a.*ts[i]).sh -= 4;
+        f.a = good;
+        breaks(&(f.a.*ts[i]));
         char what[64];
         snprintf(what, sizeof what, "%s: rows move in 16-byte", names[i]);
         expect_status(fa.check(fa.ctx, &f.a, 1), ULY_EUNSUPPORTED, what, names[i]);
@@ -815,6 +818,12 @@ TEST(rejects_strides_not_multiples_of_8_for_every_tensor) {
     }
     f.a = good;
     free_args(f);
+}
+
+/* Every tensor's stride rule, not only q, k, o and dk's: each of the eight with sh 68. */
+static void sh_off_by_4(uly_tensor *t) { t->sh -= 4; }
+TEST(rejects_strides_not_multiples_of_8_for_every_tensor) {
+    expect_each_tensor_refused(sh_off_by_4);
 }
 
 /* cu_seqlens_q misaligned, as cu_seqlens_k is in varlen_rejects_bad_arguments. */
@@ -879,27 +888,9 @@ TEST(nothing_written_past_lse_or_workspace) {
 
 /* Rows move in 16-byte chunks (16-byte cp.async, uint4 stores), which a GPU faults on at an
    address 8 bytes off 16-byte alignment: a tensor 8 bytes off is refused as one 2 bytes off is
-   (rejects_what_the_kernels_do_not_take), each of the eight in the calls that read or write it. */
-TEST(rejects_data_8_bytes_off_16_byte_alignment) {
-    flash_args f = valid_args(2, 16, 2);
-    const uly_attn fa = uly_flash_attention();
-    const uly_attn_args good = f.a;
-    typedef uly_tensor uly_attn_args::*tensor_of;
-    const tensor_of ts[8] = {&uly_attn_args::q,  &uly_attn_args::k,    &uly_attn_args::v,
-                             &uly_attn_args::o,  &uly_attn_args::dout, &uly_attn_args::dq,
-                             &uly_attn_args::dk, &uly_attn_args::dv};
-    const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
-    for (int i = 0; i < 8; i++) {
-        f.a = good;
-        (f.a.*ts[i]).data = (char *)(f.a.*ts[i]).data + 8;
-        char what[64];
-        snprintf(what, sizeof what, "%s: rows move in 16-byte", names[i]);
-        expect_status(fa.check(fa.ctx, &f.a, 1), ULY_EUNSUPPORTED, what, names[i]);
-        if (i < 4) expect_status(fa.check(fa.ctx, &f.a, 0), ULY_EUNSUPPORTED, what, names[i]);
-    }
-    f.a = good;
-    free_args(f);
-}
+   (rejects_what_the_kernels_do_not_take), each of the eight. */
+static void data_off_by_8(uly_tensor *t) { t->data = (char *)t->data + 8; }
+TEST(rejects_data_8_bytes_off_16_byte_alignment) { expect_each_tensor_refused(data_off_by_8); }
 
 #ifdef ULY_EMU
 /* A GPU that gives a block less shared memory than a kernel needs refuses the call before
