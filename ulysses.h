@@ -213,9 +213,9 @@ typedef struct uly_comm {
        recv[recv_offs[i], +recv_counts[i]) for sender i. Bytes; the counts of both ends must
        agree (the layer's do where every rank planned alike: uly_layer_agree). The local,
        device-local and MPI communicators check; NCCL cannot see the other end's count, and
-       there a mismatch can hang or leave bytes unwritten. send's bytes, from its first block's start to its
-       last block's end, must be apart from recv's (MPI's and NCCL's rule; each communicator
-       here refuses an overlap). */
+       there a mismatch can hang or leave bytes unwritten. send's bytes, from its first block's
+       start to its last block's end, must be apart from recv's (MPI's and NCCL's rule; each
+       communicator here refuses an overlap). */
     uly_status (*alltoallv)(void *ctx, const void *send, const int64_t *send_counts,
                             const int64_t *send_offs, void *recv, const int64_t *recv_counts,
                             const int64_t *recv_offs, void *stream);
@@ -260,10 +260,10 @@ typedef struct uly_mpi {
    handler back, so MPI failures come back as ULY_ECOMM with MPI's message. (MPI does not
    promise that a program can go on after an error: treat the communicator as unusable and
    MPI_Abort. A derived datatype that cannot be made, past INT_MAX offsets, fails under the
-   handler MPI gives such calls: MPI_COMM_SELF's since MPI 4, MPI_COMM_WORLD's before.) Any size: a world's for uly_loss_reduce, but alltoallv
-   (an SP group's) takes at most ULY_MAX_SP ranks. out points to m, which must outlive it.
-   out->device is 0: host buffers (MPI calls do not wait for a CUDA stream, so the GPU layer
-   takes NCCL's communicator instead). */
+   handler MPI gives such calls: MPI_COMM_SELF's since MPI 4, MPI_COMM_WORLD's before.) Any
+   size: a world's for uly_loss_reduce, but alltoallv (an SP group's) takes at most ULY_MAX_SP
+   ranks. out points to m, which must outlive it. out->device is 0: host buffers (MPI calls do
+   not wait for a CUDA stream, so the GPU layer takes NCCL's communicator instead). */
 ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out);
 /* Splits a world (a collective over it) into SP groups of sp_size consecutive ranks and DP
    groups across them; the caller frees them (MPI_Comm_free). On failure both are

@@ -37,7 +37,8 @@
      string and last error; an asynchronous error fails the next call, and uly_nccl_wait reports
      it (on a stalled stream and on a finished one); so does a stream not done within the
      timeout; neither aborts the caller's communicator, and the message says to; a failed DP
-     split returns what it made and destroys nothing; NULL arguments (uly_nccl.stream too) are ULY_EINVAL.
+     split returns what it made and destroys nothing; NULL arguments (uly_nccl.stream too) are
+     ULY_EINVAL.
 
    Emulator only: NCCL refuses two ranks on one GPU, so this cannot run on a single real GPU.
    The NCCL code on GPUs is make test-gpu's MPI run of examples/sp_attention_nccl.cu (which make
