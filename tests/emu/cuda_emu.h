@@ -124,7 +124,8 @@ void uly_emu_fail_set_device(int calls);
 
 // Test hook: the calling host thread's nth next call (1: the next) of `what`, one of
 // "cudaMemcpyAsync", "cudaEventRecord" and "cudaStreamWaitEvent", returns e and queues nothing,
-// as a call given a bad handle or made on a broken context; what = nullptr cancels.
+// as a call given a bad handle or made on a broken context; what = nullptr cancels. Unlike the
+// runtime, it leaves the thread's last error alone, which the emulator's copies would return.
 void uly_emu_fail_call(const char *what, int nth, cudaError_t e);
 
 // Test hook: the opt-in shared memory per block the device reports and cudaFuncSetAttribute
