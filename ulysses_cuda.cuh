@@ -57,9 +57,10 @@
 
        Attention: uly_flash_attention() is a uly_attn (the contract of ulysses.h): bf16 and fp16,
        head dims 64 and 128, fp32 accumulation, causal (bottom-right) or not, GQA/MQA with groups
-       split across SP ranks (q_head0, kv_group), Sq != Sk, any lengths up to 4194240 (65535
-       blocks of 64 rows), strided q/k/v/o (last dim contiguous, rows 16-byte aligned), lse fp32
-       [B, H, Sq]. Fully masked rows give 0 and lse = +inf, never NaN; a deterministic mode.
+       split across SP ranks (q_head0, kv_group), Sq != Sk, any lengths up to 2^30 rows (grids
+       past CUDA's 65535 blocks run in slices), strided q/k/v/o (last dim contiguous, rows
+       16-byte aligned), lse fp32 [B, H, Sq]. Fully masked rows give 0 and lse = +inf, never
+       NaN; a deterministic mode.
        The softmax runs in log2 units, as FlashAttention's: softmax_scale >= 0, and scaled
        logits (q.k x scale) within FLT_MAX / log2(e), about 2.4e38, in magnitude.
        uly_flash_varlen_* run packed documents (cu_seqlens), and uly_flash_varlen_attention()
@@ -228,8 +229,8 @@ ULYDEF uly_status uly_flash_varlen_bwd(const uly_attn_args *a, const uly_varlen 
 /* The same as a uly_attn (ctx is v, which must outlive it and stay unchanged from a forward to
    its backward): packed documents through the SP layer. The layer attends over the full
    sequence, so v describes the documents of the whole [1, S] sample, the same on every SP rank
-   (batch: the documents, at most 65535; max_seqlen_q = max_seqlen_k: the longest), and a
-   document may cross any shard boundary. The plan's batch must be 1. */
+   (batch: the documents; max_seqlen_q = max_seqlen_k: the longest), and a document may cross
+   any shard boundary. The plan's batch must be 1. */
 ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v);
 
 #ifdef ULYSSES_CUBLASLT
@@ -1410,6 +1411,7 @@ struct uly__fa_params {
     int64_t q_head0, kv_group;
     float scale, scale_log2;      /* softmax_scale and softmax_scale * log2(e) */
     int causal;
+    int y0, z0, nz;               /* this launch's slice of the grid (uly__fa_launch) */
 };
 
 /* One sequence of the batch: tensor batch index, first query and key row, lengths. */
@@ -1473,11 +1475,19 @@ __device__ __forceinline__ int64_t uly__fa_qrow(const uly__fa_params &p, const u
    short blocks. With (blocks, heads, sequences) the grid would run head by head and start the
    last heads' long blocks last: for 16 heads of 128 causal query blocks on an H100's 264
    forward slots (2 per SM), a list schedule then ends at 89% of the ideal time, against 99.6%
-   this way (bench/RESULTS.md). The price: z is at most 65535 blocks (ULY__FA_MAX_ROWS). The
-   row passes (Dsum, dQ's conversion) keep (rows, heads, sequences): their blocks are alike. */
+   this way (bench/RESULTS.md). The row passes (Dsum, dQ's conversion) keep (rows, heads,
+   sequences): their blocks are alike.
+   A grid past CUDA's 65535 blocks along y or z (a sequence of more than 65535 blocks, more
+   sequences or heads) runs as slices, launched in the order one grid would start its blocks
+   (uly__fa_launch); a block finds its place in the whole grid from p.y0 and p.z0, where its
+   slice starts, and p.nz, the whole grid's z. */
+__device__ __forceinline__ int uly__fa_y(const uly__fa_params &p) { return p.y0 + (int)blockIdx.y; }
+__device__ __forceinline__ int uly__fa_z(const uly__fa_params &p) { return p.z0 + (int)blockIdx.z; }
 
 /* The query block a block of the forward and dQ grids owns: the last first. */
-__device__ __forceinline__ int uly__fa_query_block() { return (int)(gridDim.z - 1 - blockIdx.z); }
+__device__ __forceinline__ int uly__fa_query_block(const uly__fa_params &p) {
+    return p.nz - 1 - uly__fa_z(p);
+}
 
 
 /* ---------------------------------------------------------------------------------------------
@@ -1834,8 +1844,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::fwd::WARPS * 32)
     uly__flash_fwd(const uly__fa_params p) {
     using C = typename uly__fa_traits<D>::fwd;
     constexpr int BM = C::BM, BN = C::BN, THREADS = C::WARPS * 32, MT = BM / (16 * C::WARPS);
-    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.y);
-    const int m0 = uly__fa_query_block() * BM;
+    const uly__fa_seq s = uly__fa_seq_of(p, uly__fa_y(p));
+    const int m0 = uly__fa_query_block(p) * BM;
     if (m0 >= s.sq) return;
     const int64_t h = blockIdx.x, hk = uly__kv_head(p.q_head0, p.kv_group, h);
     const T *k = uly__row<T>(p.k, s.b, s.k0, hk), *v = uly__row<T>(p.v, s.b, s.k0, hk);
@@ -1901,11 +1911,11 @@ enum { ULY__ROW_WARPS = 4 };
    (when there is one). */
 template <typename T>
 __global__ void __launch_bounds__(ULY__ROW_WARPS * 32) uly__flash_bwd_pre(const uly__fa_params p) {
-    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const uly__fa_seq s = uly__fa_seq_of(p, uly__fa_z(p));
     const int row = (int)(blockIdx.x * ULY__ROW_WARPS + threadIdx.x / 32);
     const int lane = (int)(threadIdx.x & 31);
     if (row >= s.sq) return;
-    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_qrow(p, s, h, row);
+    const int64_t h = uly__fa_y(p), d = p.q.d, i = uly__fa_qrow(p, s, h, row);
     const T *o = uly__row<T>(p.o, s.b, s.q0 + row, h);
     const T *dout = uly__row<T>(p.dout, s.b, s.q0 + row, h);
     float acc = 0.f;
@@ -1928,11 +1938,11 @@ __global__ void __launch_bounds__(ULY__ROW_WARPS * 32) uly__flash_bwd_pre(const 
 /* Backward post-pass: dq = scale * dQ accumulator, in T. */
 template <typename T>
 __global__ void __launch_bounds__(ULY__ROW_WARPS * 32) uly__flash_bwd_post(const uly__fa_params p) {
-    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.z);
+    const uly__fa_seq s = uly__fa_seq_of(p, uly__fa_z(p));
     const int row = (int)(blockIdx.x * ULY__ROW_WARPS + threadIdx.x / 32);
     const int lane = (int)(threadIdx.x & 31);
     if (row >= s.sq) return;
-    const int64_t h = blockIdx.y, d = p.q.d, i = uly__fa_qrow(p, s, h, row);
+    const int64_t h = uly__fa_y(p), d = p.q.d, i = uly__fa_qrow(p, s, h, row);
     T *dq = uly__row<T>(p.dq, s.b, s.q0 + row, h);
     for (int64_t c = 8 * lane; c < d; c += 256) {
         const float4 x = *(const float4 *)(p.dq_acc + i * d + c);
@@ -1969,8 +1979,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd_kv::WARPS * 32)
     constexpr int QW = BM / 32, QN = D * QW / C::WARPS;  /* dQ: QW warps along m, QN dims each */
     static_assert(SN % 16 == 0 && KN % 16 == 0 && QN % 16 == 0, "whole ldmatrix.x4 blocks");
     static_assert(BM <= THREADS, "a thread loads at most one query row's lse and Dsum");
-    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.y);
-    const int n0 = (int)blockIdx.z * BN; /* the first key block first */
+    const uly__fa_seq s = uly__fa_seq_of(p, uly__fa_y(p));
+    const int n0 = uly__fa_z(p) * BN; /* the first key block first */
     if (n0 >= s.sk) return;
     const int64_t hk = blockIdx.x;
     const uly__head_span heads = uly__q_heads(p.q_head0, p.kv_group, hk, p.q.h);
@@ -2101,8 +2111,8 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd_q::WARPS * 32)
     uly__flash_bwd_q(const uly__fa_params p) {
     using C = typename uly__fa_traits<D>::bwd_q;
     constexpr int BM = C::BM, BN = C::BN, THREADS = C::WARPS * 32, MT = BM / (16 * C::WARPS);
-    const uly__fa_seq s = uly__fa_seq_of(p, (int)blockIdx.y);
-    const int m0 = uly__fa_query_block() * BM;
+    const uly__fa_seq s = uly__fa_seq_of(p, uly__fa_y(p));
+    const int m0 = uly__fa_query_block(p) * BM;
     if (m0 >= s.sq) return;
     const int64_t h = blockIdx.x, hk = uly__kv_head(p.q_head0, p.kv_group, h);
     const T *k = uly__row<T>(p.k, s.b, s.k0, hk), *v = uly__row<T>(p.v, s.b, s.k0, hk);
@@ -2218,15 +2228,9 @@ static uly_status uly__fa_smem_fits(int64_t d, int backward) {
     return uly__ok();
 }
 
-/* Rows of a sequence: 65535 blocks (the grid's z) of the fewest rows a block takes along z
-   (query blocks; key blocks for dK and dV), the dQ kernel's 64. */
-enum { ULY__FA_Z_ROWS = 64, ULY__FA_MAX_ROWS = 65535 * ULY__FA_Z_ROWS };
-template <int D> constexpr bool uly__fa_z_rows_ok() {
-    using F = uly__fa_traits<D>;
-    return (int)F::fwd::BM >= ULY__FA_Z_ROWS && (int)F::bwd_kv::BN >= ULY__FA_Z_ROWS &&
-           (int)F::bwd_q::BM >= ULY__FA_Z_ROWS;
-}
-static_assert(uly__fa_z_rows_ok<64>() && uly__fa_z_rows_ok<128>(), "a tile below ULY__FA_Z_ROWS");
+/* The kernels count a sequence's rows, and varlen's documents, in int and add two such counts
+   (a row and the causal diagonal, a row and a tile), so each is at most 2^30. */
+enum { ULY__FA_MAX_ROWS = 1 << 30 };
 
 /* The contract's checks and the kernels' own (dtype, head dim, 16-byte rows, grid limits,
    varlen, shared memory), then *p: the parameters every kernel reads. */
@@ -2242,13 +2246,12 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     const char *names[8] = {"q", "k", "v", "o", "dout", "dq", "dk", "dv"};
     for (int i = 0; i < (backward ? 8 : 4); i++) ULY__TRY(uly__fa_rows16(*ts[i], names[i]));
     ULY__CHECK(a->q.s <= ULY__FA_MAX_ROWS && a->k.s <= ULY__FA_MAX_ROWS, ULY_EUNSUPPORTED,
-               "q.s (%lld), k.s (%lld): at most %d rows, 65535 blocks of %d (the grid's z limit)",
-               ULY__LL(a->q.s), ULY__LL(a->k.s), ULY__FA_MAX_ROWS, ULY__FA_Z_ROWS);
-    /* The batch is every grid's y or z, the query heads the backward row passes' y; the forward
-       refuses what its backward would. */
-    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED,
-               "q.b (%lld), q.h (%lld): at most 65535 each (grid y and z dims)", ULY__LL(a->q.b),
-               ULY__LL(a->q.h));
+               "q.s (%lld), k.s (%lld): at most 2^30 rows (the kernels count rows in int)",
+               ULY__LL(a->q.s), ULY__LL(a->k.s));
+    /* Heads are a grid's x, which takes 2^31 - 1 blocks; the batch is an int. */
+    ULY__CHECK(a->q.b <= INT_MAX && a->q.h <= INT_MAX && a->k.h <= INT_MAX, ULY_EUNSUPPORTED,
+               "q.b (%lld), q.h (%lld), k.h (%lld): at most 2^31 - 1 each", ULY__LL(a->q.b),
+               ULY__LL(a->q.h), ULY__LL(a->k.h));
     ULY__CHECK(a->softmax_scale >= 0 && isfinite(uly__scale(a) * ULY__LOG2E), ULY_EUNSUPPORTED,
                "softmax_scale (%g): the flash kernels take a scale >= 0 (0: 1/sqrt(D)) whose "
                "product with log2(e) is a finite float", (double)a->softmax_scale);
@@ -2258,9 +2261,10 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
                ULY_EINVAL, "varlen: cu_seqlens_q and cu_seqlens_k must be 4-byte aligned (int32)");
     ULY__CHECK(!vl || (a->q.b == 1 && vl->batch >= 1 && vl->cu_seqlens_q && vl->cu_seqlens_k &&
                        vl->max_seqlen_q >= 0 && vl->max_seqlen_q <= a->q.s &&
-                       vl->max_seqlen_k >= 0 && vl->max_seqlen_k <= a->k.s && vl->batch < 65536),
+                       vl->max_seqlen_k >= 0 && vl->max_seqlen_k <= a->k.s &&
+                       vl->batch <= ULY__FA_MAX_ROWS),
                ULY_EINVAL,
-               "varlen: q.b must be 1, batch in [1, 65535], cu_seqlens_q/k set, max_seqlen_q/k "
+               "varlen: q.b must be 1, batch in [1, 2^30], cu_seqlens_q/k set, max_seqlen_q/k "
                "within q.s/k.s");
     ULY__TRY(uly__fa_smem_fits(a->q.d, backward));
     memset(p, 0, sizeof *p);
@@ -2305,18 +2309,34 @@ static dim3 uly__fa_row_grid(int64_t heads, int batch, int64_t max_sq) {
     return dim3(uly__fa_cdiv(max_sq, ULY__ROW_WARPS), (unsigned)heads, batch);
 }
 
+/* The most blocks a launch takes along y and z: CUDA's limit. (test_flash lowers it, so that
+   its cases run in slices.) */
+#ifndef ULY__FA_GRID_YZ
+#define ULY__FA_GRID_YZ 65535
+#endif
+
 /* Launches kernel on grid (nothing for an empty grid) with the dynamic shared memory it asks
-   (uly__fa_setup made sure the device has it). Above 48 KB the kernel opts in. */
+   (uly__fa_setup made sure the device has it); above 48 KB the kernel opts in. A grid past
+   ULY__FA_GRID_YZ along y or z goes as slices, z outer and y inner: the order in which one
+   grid would start its blocks. */
 template <typename... P>
 static uly_status uly__fa_launch(void (*kernel)(P...), const char *name, dim3 grid, int threads,
-                                 size_t smem, cudaStream_t stream, const uly__fa_params &p) {
+                                 size_t smem, cudaStream_t stream, uly__fa_params p) {
     if (!grid.x || !grid.y || !grid.z) return uly__ok();
     if (smem > 48 * 1024)
         ULY__TRY(uly__cuda(cudaFuncSetAttribute((const void *)kernel,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 (int)smem), name));
-    ULY_LAUNCH(kernel, grid, dim3(threads), smem, stream, p);
-    return uly__cuda(cudaGetLastError(), name);
+    p.nz = (int)grid.z;
+    for (int64_t z0 = 0; z0 < grid.z; z0 += ULY__FA_GRID_YZ)
+        for (int64_t y0 = 0; y0 < grid.y; y0 += ULY__FA_GRID_YZ) {
+            const dim3 slice(grid.x, (unsigned)uly__min(grid.y - y0, ULY__FA_GRID_YZ),
+                             (unsigned)uly__min(grid.z - z0, ULY__FA_GRID_YZ));
+            p.y0 = (int)y0, p.z0 = (int)z0;
+            ULY_LAUNCH(kernel, slice, dim3(threads), smem, stream, p);
+            ULY__TRY(uly__cuda(cudaGetLastError(), name));
+        }
+    return uly__ok();
 }
 
 template <typename T, int D>
@@ -2651,8 +2671,8 @@ static uly_status uly__lt_check(void *ctx, const uly_attn_args *a, int backward)
                "q.d (%lld): the cuBLASLt attention takes D <= 256, D %% 8 == 0", ULY__LL(a->q.d));
     /* 256: cudaMalloc's alignment, which the fp32 scores and cuBLASLt's own part need */
     ULY__TRY(uly__check_workspace(a, uly__lt_workspace(ctx, a), 256));
-    ULY__CHECK(a->q.b <= 65535 && a->q.h <= 65535, ULY_EUNSUPPORTED, "q.b (%lld), q.h (%lld): at "
-               "most 65535 each (the grid of the Dsum pass)", ULY__LL(a->q.b), ULY__LL(a->q.h));
+    ULY__CHECK(a->q.b <= INT_MAX && a->q.h <= INT_MAX, ULY_EUNSUPPORTED, "q.b (%lld), q.h (%lld): "
+               "at most 2^31 - 1 each (the Dsum pass's grid)", ULY__LL(a->q.b), ULY__LL(a->q.h));
     ULY__CHECK(uly__mul(uly__lt_group(a), a->q.s) <= INT_MAX && a->k.s <= INT_MAX,
                ULY_EUNSUPPORTED, "q.s (%lld) x %lld heads a kv head, k.s (%lld): a GEMM's "
                "dims are int", ULY__LL(a->q.s), ULY__LL(uly__lt_group(a)), ULY__LL(a->k.s));

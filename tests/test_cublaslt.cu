@@ -18,7 +18,7 @@
      unread kv head); the backward leaves lse alone. The workspace's parts lie apart and inside
      workspace(), cuBLASLt's own ULY__LT_WS bytes included (the emulated GEMM overwrites them
      when it runs), sized by the query heads a kv head has here, not by kv_group. fp32,
-     D > 256, 65536 batches, GEMM dims past int and backward tensors of the wrong shape are
+     D > 256, 2^31 batches, GEMM dims past int and backward tensors of the wrong shape are
      named errors, as is a search that finds no kernel (emulated). The elementwise kernels
      index past 2^31 elements (on a GPU with the memory).
    Under the emulator (make test) cuBLASLt is tests/emu/cublaslt_emu.cpp, a double that computes
@@ -236,13 +236,13 @@ TEST(cublaslt_rejects_what_it_does_not_take) {
     st = lt.fwd(lt.ctx, &a);
     CHECK(st.code == ULY_EINVAL && strstr(st.msg, "workspace_bytes"), "a byte short: '%s'",
           st.msg);
-    a.workspace_bytes = INT64_MAX; /* 65536 heads of one element each: a view, never read */
-    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 65536, 8);
+    a.workspace_bytes = INT64_MAX; /* 2^31 heads of one row each: a view, never read */
+    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, (int64_t)1 << 31, 8);
     a.q.sh = a.o.sh = a.dout.sh = a.dq.sh = 8;
     a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, 1, 1, 1, 8);
     st = lt.fwd(lt.ctx, &a);
-    CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "q.h (65536): at most 65535"), "'%s'",
-          st.msg);
+    CHECK(st.code == ULY_EUNSUPPORTED && strstr(st.msg, "q.h (2147483648): at most 2^31 - 1"),
+          "'%s'", st.msg);
     /* The backward's Dsum pass reads o and dout in 16-byte chunks: two rows (a stride of a dim
        of extent 1 is never applied, and may be anything). */
     a.workspace = buf;
@@ -357,9 +357,10 @@ TEST(cublaslt_workspace_follows_the_local_heads_not_kv_group) {
 
 /* More of what the cuBLASLt attention refuses in its check (what the layer asks before it
    exchanges anything, and fwd and bwd run first); the views are never read. fp32 (its GEMMs
-   take bf16 and fp16), D = 264 (past 256), 65536 batches (the Dsum pass's grid), GEMM dims
-   past int: two query heads of 2^30 rows on one kv head are 2^31 rows of one batched product,
-   and 2^31 keys; and in the backward a dk whose shape is not k's (the contract's rule). */
+   take bf16 and fp16), D = 264 (past 256), 2^31 batches (the Dsum pass's grid counts them in
+   int; 65536, past CUDA's grid dims, it takes in slices), GEMM dims past int: two query heads of
+   2^30 rows on one kv head are 2^31 rows of one batched product, and 2^31 keys; and in the
+   backward a dk whose shape is not k's (the contract's rule). */
 TEST(cublaslt_rejects_dtypes_head_dims_batches_and_dims_past_int) {
     const uly_attn lt = uly_cublaslt_attention(lt_handle());
     alignas(256) static char buf[64];
@@ -372,7 +373,8 @@ TEST(cublaslt_rejects_dtypes_head_dims_batches_and_dims_past_int) {
     } cases[] = {
         {ULY_F32, 1, 1, 1, 1, 1, 8, 0, ULY_EUNSUPPORTED, "takes bf16 or fp16"},
         {ULY_BF16, 1, 1, 1, 1, 1, 264, 0, ULY_EUNSUPPORTED, "D <= 256"},
-        {ULY_BF16, 65536, 1, 1, 1, 1, 8, 0, ULY_EUNSUPPORTED, "q.b (65536)"},
+        {ULY_BF16, (int64_t)1 << 31, 1, 1, 1, 1, 8, 0, ULY_EUNSUPPORTED, "q.b (2147483648)"},
+        {ULY_BF16, 65536, 1, 1, 1, 1, 8, 0, ULY_OK, ""},
         {ULY_BF16, 1, (int64_t)1 << 30, 1, 2, 1, 8, 0, ULY_EUNSUPPORTED, "a GEMM's dims are int"},
         {ULY_F16, 1, 1, (int64_t)1 << 31, 1, 1, 8, 0, ULY_EUNSUPPORTED, "a GEMM's dims are int"},
         {ULY_BF16, 1, 1, 1, 1, 1, 8, 1, ULY_EINVAL, "dk: shape"},

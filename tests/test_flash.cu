@@ -19,6 +19,10 @@
    flash_case.h. */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
+/* A grid runs in slices of at most 3 blocks along y and z, as one past CUDA's 65535 does: every
+   case of more than 3 sequences, blocks or (in the row passes) heads takes the sliced launches,
+   and the others the single one the rest of the tests use. */
+#define ULY__FA_GRID_YZ 3
 #include "../ulysses_cuda.cuh"
 #include "check.h"
 #include "flash_case.h"
@@ -322,30 +326,54 @@ TEST(deterministic_is_bitwise_stable) {
 }
 
 #ifdef ULY_EMU
+/* The whole grid g as ULY__FA_GRID_YZ = 3 slices it: at most 3 blocks along y and z, z outer and
+   y inner, the order in which one grid would start its blocks. */
+static std::vector<dim3> slices_of(dim3 g) {
+    std::vector<dim3> out;
+    for (unsigned z = 0; z < g.z; z += 3)
+        for (unsigned y = 0; y < g.y; y += 3)
+            out.push_back(dim3(g.x, std::min(3u, g.y - y), std::min(3u, g.z - z)));
+    return out;
+}
+
 /* The flash grids are (heads, sequences, blocks), so blocks start position by position across
-   every head and sequence, longest first (ulysses_cuda.cuh, above uly__fa_query_block). B = 2,
-   H = 4 over Hkv = 2, 300 rows: 3 forward and dK/dV blocks of 128 rows, 5 dQ blocks of 64. */
-TEST(flash_grids_are_heads_sequences_blocks) {
+   every head and sequence, longest first (ulysses_cuda.cuh, above uly__fa_query_block); the row
+   passes' are (rows, heads, sequences). Each goes in slices (slices_of). B = 4, H = 4 over
+   Hkv = 2, 200 rows: 2 forward and dK/dV blocks of 128 rows, 4 dQ blocks of 64, 50 row-pass
+   blocks of 4 rows. check_case holds every output to the references, so each slice worked on
+   its own part of the grid. */
+TEST(flash_grids_are_heads_sequences_blocks_in_slices) {
     typedef __nv_bfloat16 T;
     for (int det : {0, 1}) {
-        fcase c = make_case({2, 300, 300, 4, 2, 1}, 64, ULY_BF16);
+        fcase c = make_case({4, 200, 200, 4, 2, 1}, 64, ULY_BF16);
         c.deterministic = det;
         uly_emu_record_reset();
         check_case(c);
-        int fwd = 0, kv = 0, q = 0, wrong = 0;
-        for (const uly_emu_op &op : uly_emu_recorded_ops()) {
-            dim3 want;
-            if (op.kernel == (const void *)uly__flash_fwd<T, 64>) want = dim3(4, 2, 3), fwd++;
-            else if (op.kernel == (const void *)uly__flash_bwd_kv<T, 64, true> ||
-                     op.kernel == (const void *)uly__flash_bwd_kv<T, 64, false>)
-                want = dim3(2, 2, 3), kv++;
-            else if (op.kernel == (const void *)uly__flash_bwd_q<T, 64>) want = dim3(4, 2, 5), q++;
-            else continue;
-            wrong += op.grid.x != want.x || op.grid.y != want.y || op.grid.z != want.z;
+        const void *kv = det ? (const void *)uly__flash_bwd_kv<T, 64, false>
+                             : (const void *)uly__flash_bwd_kv<T, 64, true>;
+        const struct {
+            const char *name;
+            const void *kernel;
+            dim3 whole;
+            bool runs;
+        } grids[] = {{"forward", (const void *)uly__flash_fwd<T, 64>, dim3(4, 4, 2), true},
+                     {"dK/dV", kv, dim3(2, 4, 2), true},
+                     {"dQ", (const void *)uly__flash_bwd_q<T, 64>, dim3(4, 4, 4), det == 1},
+                     {"Dsum", (const void *)uly__flash_bwd_pre<T>, dim3(50, 4, 4), true},
+                     {"dQ's conversion", (const void *)uly__flash_bwd_post<T>, dim3(50, 4, 4),
+                      det == 0}};
+        for (const auto &g : grids) {
+            const std::vector<dim3> want = slices_of(g.whole);
+            size_t n = 0, wrong = 0;
+            for (const uly_emu_op &op : uly_emu_recorded_ops()) {
+                if (op.kernel != g.kernel) continue;
+                const dim3 &w = want[n++ % want.size()];
+                wrong += op.grid.x != w.x || op.grid.y != w.y || op.grid.z != w.z;
+            }
+            CHECK(g.runs ? n > 0 && n % want.size() == 0 && !wrong : n == 0,
+                  "deterministic=%d, %s: %zu launches, %zu not the slice due, want %s of %zu "
+                  "slices", det, g.name, n, wrong, g.runs ? "runs" : "none", want.size());
         }
-        CHECK(fwd > 0 && kv > 0 && (q > 0) == det && !wrong, "deterministic=%d: %d forward, %d "
-              "dK/dV, %d dQ launches, %d of them not on (heads, B, blocks)", det, fwd, kv, q,
-              wrong);
     }
 }
 #endif
@@ -642,44 +670,43 @@ TEST(backward_rejects_a_null_misaligned_or_short_workspace) {
     free_args(f);
 }
 
-/* Batches and query heads are grid dims of at most 65535 each, and so are the blocks of a
-   sequence: at most 65535 * 64 = 4194240 rows; kv heads are a grid's x, which has room. One
-   [65536, 1, 1, 64] buffer serves as every tensor (and a [1, 1, 65536, 64] q or k), one
-   [1, 4194241, 1, 64] as a q, k one row too long: they are never read. */
-TEST(rejects_batch_heads_or_rows_past_the_grid_limit) {
-    void *buf, *rows;
+/* The kernels count rows in int and add two counts: at most 2^30 rows a sequence. Batches and
+   heads (a grid's x) are at most 2^31 - 1; past CUDA's 65535 along y or z a grid goes in slices.
+   Every tensor is a view over one small buffer and the workspace claims INT64_MAX bytes: the
+   checks come before anything is read. At each limit both passes check. */
+TEST(rejects_rows_past_2_30_and_batches_or_heads_past_2_31) {
+    void *buf;
     float *lse;
-    cudaMalloc(&buf, (size_t)65536 * 64 * 2), cudaMalloc((void **)&lse, (size_t)65536 * 4);
+    cudaMalloc(&buf, 64 * 2), cudaMalloc((void **)&lse, 4);
     const uly_attn fa = uly_flash_attention();
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    a.q = a.k = a.v = a.o = a.dout = a.dq = a.dk = a.dv = uly_dense(buf, ULY_BF16, 65536, 1, 1, 64);
-    a.lse = lse;
-    expect_status(fa.fwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "forward, q.b = 65536");
-    expect_status(fa.bwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "backward, q.b = 65536");
-    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 65536, 64);
-    a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, 1, 1, 1, 64);
-    expect_status(fa.fwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "forward, q.h = 65536");
-    expect_status(fa.bwd(fa.ctx, &a), ULY_EUNSUPPORTED, "65535", "backward, q.h = 65536");
-    std::swap(a.q, a.k), std::swap(a.o, a.v), std::swap(a.dq, a.dk), std::swap(a.dout, a.dv);
-    a.kv_group = 1; /* one query head, of the first of 65536 kv heads */
-    a.workspace_bytes = fa.workspace(fa.ctx, &a);
-    cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
-    for (int backward = 0; backward < 2; backward++) {
-        const uly_status st = fa.check(fa.ctx, &a, backward);
-        CHECK(!st.code, "%s, k.h = 65536: '%s'", backward ? "backward" : "forward", st.msg);
-    }
-    cudaFree(a.workspace);
-    a.kv_group = 0, a.workspace = NULL, a.workspace_bytes = 0;
-    const int64_t n = 4194241;
-    cudaMalloc(&rows, (size_t)n * 64 * 2);
-    a.q = a.o = a.dout = a.dq = uly_dense(rows, ULY_BF16, 1, n, 1, 64);
-    a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, 1, 1, 1, 64);
-    expect_status(fa.fwd(fa.ctx, &a), ULY_EUNSUPPORTED, "at most 4194240 rows", "q.s = 4194241");
-    a.k = a.v = a.dk = a.dv = uly_dense(rows, ULY_BF16, 1, n, 1, 64);
-    a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, 1, 1, 1, 64);
-    expect_status(fa.bwd(fa.ctx, &a), ULY_EUNSUPPORTED, "at most 4194240 rows", "k.s = 4194241");
-    cudaFree(buf), cudaFree(rows), cudaFree(lse);
+    const int64_t rows = (int64_t)1 << 30, most = INT_MAX;
+    const struct {
+        const char *what;
+        int64_t b, sq, sk, h, hk;
+        const char *refusal; /* what the message says, naming the field; NULL: accepted */
+    } cases[] = {
+        {"q.s = 2^30 + 1", 1, rows + 1, 1, 1, 1, "q.s (1073741825), k.s (1): at most 2^30 rows"},
+        {"k.s = 2^30 + 1", 1, 1, rows + 1, 1, 1, "k.s (1073741825): at most 2^30 rows"},
+        {"q.s = k.s = 2^30", 1, rows, rows, 1, 1, NULL},
+        {"q.b = 2^31", most + 1, 1, 1, 1, 1, "q.b (2147483648), q.h (1), k.h (1): at most 2^31"},
+        {"q.h = 2^31", 1, 1, 1, most + 1, 1, "q.h (2147483648), k.h (1): at most 2^31 - 1"},
+        {"k.h = 2^31", 1, 1, 1, 1, most + 1, "k.h (2147483648): at most 2^31 - 1"},
+        {"q.b = 2^31 - 1", most, 1, 1, 1, 1, NULL},
+        {"q.h = k.h = 2^31 - 1", 1, 1, 1, most, most, NULL}};
+    for (const auto &x : cases)
+        for (int backward = 0; backward < 2; backward++) {
+            uly_attn_args a;
+            memset(&a, 0, sizeof a);
+            a.q = a.o = a.dout = a.dq = uly_dense(buf, ULY_BF16, x.b, x.sq, x.h, 64);
+            a.k = a.v = a.dk = a.dv = uly_dense(buf, ULY_BF16, x.b, x.sk, x.hk, 64);
+            a.kv_group = x.h % x.hk ? 1 : 0; /* k.h past q.h: query head i reads kv head i */
+            a.lse = lse, a.workspace = buf, a.workspace_bytes = INT64_MAX;
+            const uly_status st = fa.check(fa.ctx, &a, backward);
+            CHECK(x.refusal ? st.code == ULY_EUNSUPPORTED && strstr(st.msg, x.refusal) : !st.code,
+                  "%s, %s: status %d '%s', want %s", backward ? "backward" : "forward", x.what,
+                  (int)st.code, st.msg, x.refusal ? x.refusal : "success");
+        }
+    cudaFree(buf), cudaFree(lse);
 }
 
 /* Rows move in 16-byte chunks: a stride of a dim longer than 1 that is not a multiple of 8
@@ -703,7 +730,7 @@ TEST(rejects_strides_not_multiples_of_8) {
 }
 
 /* Varlen arguments the kernels cannot size a grid from are refused before the cu_seqlens check
-   runs: q.b must be 1, batch in [1, 65535], both cu_seqlens set, max_seqlen within the rows. */
+   runs: q.b must be 1, batch in [1, 2^30], both cu_seqlens set, max_seqlen within the rows. */
 TEST(varlen_rejects_bad_arguments) {
     flash_args f = valid_args(1, 70, 2);
     int32_t *cu = NULL;
@@ -714,7 +741,7 @@ TEST(varlen_rejects_bad_arguments) {
         int64_t batch, max_q, max_k;
         bool no_cu_q, no_cu_k;
     } bad[] = {{"batch 0", 0, 40, 40, false, false},
-               {"batch 65536", 65536, 40, 40, false, false},
+               {"batch 2^30 + 1", ((int64_t)1 << 30) + 1, 40, 40, false, false},
                {"cu_seqlens_q NULL", 2, 40, 40, true, false},
                {"cu_seqlens_k NULL", 2, 40, 40, false, true},
                {"max_seqlen_q 71", 2, 71, 40, false, false},
