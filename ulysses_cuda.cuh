@@ -1489,7 +1489,6 @@ __device__ __forceinline__ int uly__fa_query_block(const uly__fa_params &p) {
     return p.nz - 1 - uly__fa_z(p);
 }
 
-
 /* ---------------------------------------------------------------------------------------------
    Tile primitives. A shared tile holds R rows of W 16-bit elements, row-major, with its 16-byte
    chunks XOR-swizzled by row (chunk c of row r is stored at c ^ (r % 8)): the 8 row addresses of
