@@ -19,10 +19,13 @@
    flash_case.h. */
 #include "emu/cuda_emu.h"
 #define ULYSSES_IMPLEMENTATION
-/* A grid runs in slices of at most 3 blocks along y and z, as one past CUDA's 65535 does: every
-   case of more than 3 sequences, blocks or (in the row passes) heads takes the sliced launches,
-   and the others the single one the rest of the tests use. */
+/* Under the emulator a grid runs in slices of at most 3 blocks along y and z, as one past CUDA's
+   65535 does: every case of more than 3 sequences, blocks or (in the row passes) heads takes
+   the sliced launches, and the others one launch. A GPU slices at CUDA's limit, where
+   grids_past_the_slice_size passes it. */
+#ifdef ULY_EMU
 #define ULY__FA_GRID_YZ 3
+#endif
 #include "../ulysses_cuda.cuh"
 #include "check.h"
 #include "flash_case.h"
@@ -668,6 +671,77 @@ TEST(backward_rejects_a_null_misaligned_or_short_workspace) {
                   "backward, sized for deterministic mode");
     CHECK(cudaDeviceSynchronize() == cudaSuccess, "kernels ran");
     free_args(f);
+}
+
+/* Grids past the slice size n = ULY__FA_GRID_YZ along y and z: n + 2 sequences of one row, then
+   one sequence of n * 128 + 1 rows (the forward's and dQ's blocks); each over one key, in both
+   dQ modes. Under the emulator n is 3; on a GPU it is CUDA's 65535, so there the sizes are
+   65537 sequences and 8388481 rows (1 GB a tensor), past what one grid holds. With one key the
+   softmax is exactly 1: out is v's row bit for bit, lse is scale q.k, dv is the sum of dout over
+   the rows (bit for bit over one row), and dq and dk are 0 but for the rounding of dP - Dsum,
+   two fp32 sums of the same products (P is recomputed from lse). */
+static void one_key_case(int64_t B, int64_t S) {
+    const int64_t D = 64, rows = B * S;
+    const double scale = 1 / sqrt((double)D);
+    ref_rng r = ref_seed((uint64_t)(B * 1000003 + S));
+    const fvec q = random_values(&r, rows * D, ULY_BF16, 1);
+    const fvec k = random_values(&r, B * D, ULY_BF16, 1), v = random_values(&r, B * D, ULY_BF16, 1);
+    const fvec dout = random_values(&r, rows * D, ULY_BF16, 1);
+    dvec dot((size_t)rows, 0.0), sum((size_t)(B * D), 0.0); /* q.k of each row, dout's sums */
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t d = 0; d < D; d++) {
+            const size_t e = (size_t)(i * D + d), kv = (size_t)(i / S * D + d);
+            dot[(size_t)i] += (double)q[e] * k[kv], sum[kv] += dout[e];
+        }
+    dev_tensor x[8]; /* q k v o dout dq dk dv */
+    for (int i = 0; i < 8; i++) {
+        const bool kv = i == 1 || i == 2 || i == 6 || i == 7;
+        x[i] = dev_alloc(ULY_BF16, B, kv ? 1 : S, 1, D, 0);
+    }
+    upload(x[0], q), upload(x[1], k), upload(x[2], v), upload(x[4], dout);
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = x[0].t, a.k = x[1].t, a.v = x[2].t, a.o = x[3].t, a.dout = x[4].t;
+    a.dq = x[5].t, a.dk = x[6].t, a.dv = x[7].t;
+    const uly_attn fa = uly_flash_attention();
+    cudaMalloc((void **)&a.lse, (size_t)rows * 4);
+    a.workspace_bytes = fa.workspace(fa.ctx, &a);
+    cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
+    for (a.deterministic = 0; a.deterministic < 2; a.deterministic++) {
+        uly_status st = fa.fwd(fa.ctx, &a);
+        if (!st.code) st = fa.bwd(fa.ctx, &a);
+        CHECK(!st.code && cudaDeviceSynchronize() == cudaSuccess, "B %lld, S %lld: '%s'",
+              (long long)B, (long long)S, st.msg);
+        const fvec o = download(x[3]), dq = download(x[5]), dk = download(x[6]);
+        const fvec dv = download(x[7]);
+        fvec lse((size_t)rows);
+        cudaMemcpy(lse.data(), a.lse, (size_t)rows * 4, cudaMemcpyDeviceToHost);
+        int64_t bad[5] = {0, 0, 0, 0, 0}; /* o, lse, dv, dq, dk */
+        for (int64_t i = 0; i < rows; i++) {
+            const double want = scale * dot[(size_t)i];
+            bad[1] += !(fabs(lse[(size_t)i] - want) <= 1e-3 + 1e-6 * fabs(want));
+            for (int64_t d = 0; d < D; d++) {
+                const size_t e = (size_t)(i * D + d);
+                bad[0] += o[e] != v[(size_t)(i / S * D + d)], bad[3] += !(fabs(dq[e]) <= 1e-3);
+            }
+        }
+        for (size_t e = 0; e < sum.size(); e++) {
+            const double tol = 1e-2 * (1 + fabs(sum[e]));
+            bad[2] += S == 1 ? dv[e] != dout[e] : !(fabs(dv[e] - sum[e]) <= tol);
+            bad[4] += !(fabs(dk[e]) <= 1e-2);
+        }
+        CHECK(!bad[0] && !bad[1] && !bad[2] && !bad[3] && !bad[4], "B %lld, S %lld, "
+              "deterministic %d: wrong o %lld, lse %lld, dv %lld, dq %lld, dk %lld", (long long)B,
+              (long long)S, a.deterministic, (long long)bad[0], (long long)bad[1],
+              (long long)bad[2], (long long)bad[3], (long long)bad[4]);
+    }
+    for (dev_tensor &t : x) cudaFree(t.t.data);
+    cudaFree(a.lse), cudaFree(a.workspace);
+}
+
+TEST(grids_past_the_slice_size) {
+    one_key_case(ULY__FA_GRID_YZ + 2, 1);
+    one_key_case(1, ULY__FA_GRID_YZ * 128 + 1);
 }
 
 /* The kernels count rows in int and add two counts: at most 2^30 rows a sequence. Batches and
