@@ -2247,7 +2247,7 @@ static uly_status uly__fa_setup(const uly_attn_args *a, const uly_varlen *vl, in
     ULY__CHECK(a->q.s <= ULY__FA_MAX_ROWS && a->k.s <= ULY__FA_MAX_ROWS, ULY_EUNSUPPORTED,
                "q.s (%lld), k.s (%lld): at most 2^30 rows (the kernels count rows in int)",
                ULY__LL(a->q.s), ULY__LL(a->k.s));
-    /* Heads are a grid's x, which takes 2^31 - 1 blocks; the batch is an int. */
+    /* Heads are the flash grids' x, at most 2^31 - 1 blocks; sequences are counted in int. */
     ULY__CHECK(a->q.b <= INT_MAX && a->q.h <= INT_MAX && a->k.h <= INT_MAX, ULY_EUNSUPPORTED,
                "q.b (%lld), q.h (%lld), k.h (%lld): at most 2^31 - 1 each", ULY__LL(a->q.b),
                ULY__LL(a->q.h), ULY__LL(a->k.h));
@@ -2308,8 +2308,8 @@ static dim3 uly__fa_row_grid(int64_t heads, int batch, int64_t max_sq) {
     return dim3(uly__fa_cdiv(max_sq, ULY__ROW_WARPS), (unsigned)heads, batch);
 }
 
-/* The most blocks a launch takes along y and z: CUDA's limit. (test_flash lowers it, so that
-   its cases run in slices.) */
+/* The most blocks a launch takes along y and z: CUDA's limit. (test_flash's emulated build
+   lowers it, so that its cases run in slices.) */
 #ifndef ULY__FA_GRID_YZ
 #define ULY__FA_GRID_YZ 65535
 #endif
