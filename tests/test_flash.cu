@@ -682,7 +682,7 @@ TEST(backward_rejects_a_null_misaligned_or_short_workspace) {
    two fp32 sums of the same products (P is recomputed from lse). The inputs are bf16 bits from a
    hash, and the checks read bits (through a table where they need values): fvec's conversions
    would take the 8388481 rows a minute. */
-static uint16_t one_key_bits(uint64_t i, uint64_t stream) { /* a bf16 in +-[0.5, 1) */
+__host__ __device__ static uint16_t one_key_bits(uint64_t i, uint64_t stream) { /* +-[0.5, 1) */
     uint64_t h = (i * 4 + stream + 1) * 0x9E3779B97F4A7C15ull;
     h = (h ^ h >> 31) * 0xBF58476D1CE4E5B9ull;
     h ^= h >> 29;
@@ -757,6 +757,97 @@ static void one_key_case(int64_t B, int64_t S) {
 TEST(grids_past_the_slice_size) {
     one_key_case(ULY__FA_GRID_YZ + 2, 1);
     one_key_case(1, ULY__FA_GRID_YZ * 128 + 1);
+}
+
+static __global__ void fill_bits(uint16_t *x, int64_t n, uint64_t stream) {
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += step)
+        x[i] = one_key_bits((uint64_t)i, stream);
+}
+
+/* fp64 attention of query row i of fill_bits' q and dout (streams 0 and 3) over two keys k, v
+   ([2][D] bf16 bits): out, lse and dq of the row. */
+static void two_key_row(int64_t i, int64_t D, const fvec &value, const std::vector<uint16_t> &k,
+                        const std::vector<uint16_t> &v, double *o, double *lse, double *dq) {
+    const double scale = 1 / sqrt((double)D);
+    double s[2] = {0, 0}, dp[2] = {0, 0}, p[2], dsum = 0;
+    for (int j = 0; j < 2; j++)
+        for (int64_t d = 0; d < D; d++) {
+            const size_t e = (size_t)(j * D + d);
+            s[j] += scale * value[one_key_bits((uint64_t)(i * D + d), 0)] * value[k[e]];
+            dp[j] += value[one_key_bits((uint64_t)(i * D + d), 3)] * value[v[e]];
+        }
+    const double m = std::max(s[0], s[1]), z = exp(s[0] - m) + exp(s[1] - m);
+    for (int j = 0; j < 2; j++) p[j] = exp(s[j] - m) / z;
+    *lse = m + log(z);
+    for (int64_t d = 0; d < D; d++) {
+        o[d] = p[0] * value[v[(size_t)d]] + p[1] * value[v[(size_t)(D + d)]];
+        dsum += value[one_key_bits((uint64_t)(i * D + d), 3)] * o[d];
+    }
+    for (int64_t d = 0; d < D; d++)
+        dq[d] = scale * (p[0] * (dp[0] - dsum) * value[k[(size_t)d]] +
+                         p[1] * (dp[1] - dsum) * value[k[(size_t)(D + d)]]);
+}
+
+/* The atomic dQ accumulator (fp32, D of them a query row) past 2^31 elements, where an int index
+   wraps: on a GPU one sequence of 2^24 + 256 rows of D = 128 (26 GB in all) over two keys; under
+   the emulator 300 rows, the same checks. q and dout are filled on the device (fill_bits); out,
+   lse and dq are held to fp64 (two_key_row) at the first 256 rows and the last 512, which on a
+   GPU straddle element 2^31: out within 1e-2 (its rounding), lse within 1e-3, dq within 1e-2
+   (Dsum reads the rounded out), where dq's own values reach past 0.05 (a dq left 0 fails). */
+TEST(dq_accumulator_past_2_31_elements) {
+#ifdef ULY_EMU
+    const int64_t S = 300;
+#else
+    const int64_t S = ((int64_t)1 << 24) + 256;
+#endif
+    const int64_t D = 128, Sk = 2, n[8] = {S, Sk, Sk, S, S, S, Sk, Sk};
+    fvec value(65536);
+    for (uint32_t x = 0; x < 65536; x++) value[x] = from_bits(ULY_BF16, (uint16_t)x);
+    std::vector<uint16_t> k((size_t)(Sk * D)), v(k.size());
+    for (size_t e = 0; e < k.size(); e++) k[e] = one_key_bits(e, 1), v[e] = one_key_bits(e, 2);
+    uly_attn_args a;
+    memset(&a, 0, sizeof a);
+    uly_tensor *views[8] = {&a.q, &a.k, &a.v, &a.o, &a.dout, &a.dq, &a.dk, &a.dv};
+    for (int t = 0; t < 8; t++) {
+        void *p = NULL;
+        CHECK(cudaMalloc(&p, (size_t)(n[t] * D * 2)) == cudaSuccess, "cudaMalloc");
+        cudaMemset(p, 0xff, (size_t)(n[t] * D * 2)); /* NaN: unwritten */
+        *views[t] = uly_dense(p, ULY_BF16, 1, n[t], 1, D);
+    }
+    ULY_LAUNCH(fill_bits, dim3(1024), dim3(256), 0, 0, (uint16_t *)a.q.data, S * D, 0);
+    ULY_LAUNCH(fill_bits, dim3(1024), dim3(256), 0, 0, (uint16_t *)a.dout.data, S * D, 3);
+    cudaMemcpy(a.k.data, k.data(), k.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(a.v.data, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
+    const uly_attn fa = uly_flash_attention();
+    cudaMalloc((void **)&a.lse, (size_t)S * 4);
+    a.workspace_bytes = fa.workspace(fa.ctx, &a);
+    cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
+    uly_status st = fa.fwd(fa.ctx, &a);
+    if (!st.code) st = fa.bwd(fa.ctx, &a);
+    CHECK(!st.code && cudaDeviceSynchronize() == cudaSuccess, "'%s'", st.msg);
+    int64_t bad[3] = {0, 0, 0}; /* out, lse, dq */
+    double most = 0, ref_o[128], ref_lse, ref_dq[128];
+    std::vector<uint16_t> o((size_t)D), dq((size_t)D);
+    for (int64_t i = 0; i < S; i++) {
+        if (i >= 256 && i < S - 512) continue;
+        float lse;
+        cudaMemcpy(o.data(), (uint16_t *)a.o.data + i * D, (size_t)D * 2, cudaMemcpyDeviceToHost);
+        cudaMemcpy(dq.data(), (uint16_t *)a.dq.data + i * D, (size_t)D * 2, cudaMemcpyDeviceToHost);
+        cudaMemcpy(&lse, a.lse + i, 4, cudaMemcpyDeviceToHost);
+        two_key_row(i, D, value, k, v, ref_o, &ref_lse, ref_dq);
+        bad[1] += !(fabs(lse - ref_lse) <= 1e-3 + 1e-6 * fabs(ref_lse));
+        for (int64_t d = 0; d < D; d++) {
+            bad[0] += !(fabs(value[o[(size_t)d]] - ref_o[d]) <= 1e-2);
+            bad[2] += !(fabs(value[dq[(size_t)d]] - ref_dq[d]) <= 1e-2);
+            most = std::max(most, fabs(ref_dq[d]));
+        }
+    }
+    CHECK(!bad[0] && !bad[1] && !bad[2] && most > 0.05, "S %lld: wrong out %lld, lse %lld, dq "
+          "%lld; largest dq %.3g", (long long)S, (long long)bad[0], (long long)bad[1],
+          (long long)bad[2], most);
+    for (uly_tensor *t : views) cudaFree(t->data);
+    cudaFree(a.lse), cudaFree(a.workspace);
 }
 
 /* The kernels count rows in int and add two counts: at most 2^30 rows a sequence. Batches and
