@@ -11,7 +11,9 @@
    same bound. lse must be within 1e-3 (plus 1e-6 relative) of ref64, and +inf exactly where no
    key is kept.
    Each case's inputs are seeded by the case itself (flash_case.h's case_seed), so a failing case
-   has the same data when ULY_TEST_FILTER runs it alone.
+   has the same data when ULY_TEST_FILTER runs it alone. Two cases are sized by where they run:
+   grids_past_the_slice_size and dq_accumulator_past_2_31_elements pass CUDA's grid limits and
+   int's on a GPU (6.5 and 26 GB), and run small under the emulator.
    Builds under the CUDA emulator (make test) and with nvcc for a GPU (make test-gpu).
    ULY_TEST_FILTER selects tests by name, e.g. ULY_TEST_FILTER=d128; ULY_FLASH_VERBOSE=1 prints
    every case's errors. Under the emulator main() asks for twice as many threads as the machine
