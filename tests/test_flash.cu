@@ -600,16 +600,25 @@ typedef struct flash_args {
     dev_tensor x[8];
 } flash_args;
 
-static flash_args valid_args(int64_t B, int64_t S, int64_t H, int64_t D = 64) {
+/* bf16 tensors of Sq query rows and Sk key rows (dev_alloc's pad: NaN outside the views, and
+   in them until written), lse and the workspace, on the device. */
+static flash_args alloc_args(int64_t B, int64_t Sq, int64_t Sk, int64_t H, int64_t D, int pad) {
     flash_args f;
     memset(&f, 0, sizeof f);
     uly_tensor *const t[8] = {&f.a.q, &f.a.k, &f.a.v, &f.a.o, &f.a.dout, &f.a.dq, &f.a.dk, &f.a.dv};
-    for (int i = 0; i < 8; i++) f.x[i] = dev_alloc(ULY_BF16, B, S, H, D, 1), *t[i] = f.x[i].t;
-    cudaMalloc((void **)&f.a.lse, (size_t)(B * H * S * 4));
+    for (int i = 0; i < 8; i++) {
+        const bool kv = i == 1 || i == 2 || i == 6 || i == 7;
+        f.x[i] = dev_alloc(ULY_BF16, B, kv ? Sk : Sq, H, D, pad), *t[i] = f.x[i].t;
+    }
+    cudaMalloc((void **)&f.a.lse, (size_t)(B * H * Sq * 4));
     const uly_attn fa = uly_flash_attention();
     f.a.workspace_bytes = fa.workspace(fa.ctx, &f.a);
     cudaMalloc(&f.a.workspace, (size_t)f.a.workspace_bytes);
     return f;
+}
+
+static flash_args valid_args(int64_t B, int64_t S, int64_t H, int64_t D = 64) {
+    return alloc_args(B, S, S, H, D, 1);
 }
 
 static void free_args(flash_args &f) {
@@ -691,20 +700,34 @@ __host__ __device__ static uint16_t one_key_bits(uint64_t i, uint64_t stream) { 
     return (uint16_t)(0x3F00 | (h & 0x7F) | (h >> 7 & 1) << 15);
 }
 
+/* The value of every bf16 bit pattern. */
+static fvec bf16_values(void) {
+    fvec value(65536);
+    for (uint32_t x = 0; x < 65536; x++) value[x] = from_bits(ULY_BF16, (uint16_t)x);
+    return value;
+}
+
+/* Forward, then backward, of f's args; both ran and the device is done. */
+static void run_both(flash_args &f, const char *what) {
+    const uly_attn fa = uly_flash_attention();
+    uly_status st = fa.fwd(fa.ctx, &f.a);
+    if (!st.code) st = fa.bwd(fa.ctx, &f.a);
+    CHECK(!st.code && cudaDeviceSynchronize() == cudaSuccess, "%s: '%s'", what, st.msg);
+}
+
 static void one_key_case(int64_t B, int64_t S) {
     typedef std::vector<uint16_t> bits;
     const int64_t D = 64, rows = B * S, n[8] = {rows, B, B, rows, rows, rows, B, B};
     const double scale = 1 / sqrt((double)D);
-    fvec value(65536);
-    for (uint32_t x = 0; x < 65536; x++) value[x] = from_bits(ULY_BF16, (uint16_t)x);
+    const fvec value = bf16_values();
+    flash_args f = alloc_args(B, S, 1, 1, D, 0);
     bits in[8]; /* q k v o dout dq dk dv, rows of D */
-    void *dev[8];
     for (int t = 0; t < 8; t++) {
         in[t].resize((size_t)(n[t] * D));
-        if (t < 3 || t == 4)
+        if (t < 3 || t == 4) {
             for (size_t e = 0; e < in[t].size(); e++) in[t][e] = one_key_bits(e, (uint64_t)t);
-        cudaMalloc(&dev[t], in[t].size() * 2);
-        cudaMemcpy(dev[t], in[t].data(), in[t].size() * 2, cudaMemcpyHostToDevice);
+            cudaMemcpy(f.x[t].t.data, in[t].data(), in[t].size() * 2, cudaMemcpyHostToDevice);
+        }
     }
     const bits &q = in[0], &k = in[1], &v = in[2], &dout = in[4];
     dvec dot((size_t)rows, 0.0), sum((size_t)(B * D), 0.0); /* q.k of each row, dout's sums */
@@ -713,25 +736,15 @@ static void one_key_case(int64_t B, int64_t S) {
         dot[(size_t)(e / D)] += (double)value[q[(size_t)e]] * value[k[kv]];
         sum[kv] += value[dout[(size_t)e]];
     }
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    uly_tensor *views[8] = {&a.q, &a.k, &a.v, &a.o, &a.dout, &a.dq, &a.dk, &a.dv};
-    for (int t = 0; t < 8; t++) *views[t] = uly_dense(dev[t], ULY_BF16, B, n[t] / B, 1, D);
-    const uly_attn fa = uly_flash_attention();
-    cudaMalloc((void **)&a.lse, (size_t)rows * 4);
-    a.workspace_bytes = fa.workspace(fa.ctx, &a);
-    cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
     const uint16_t small = to_bits(ULY_BF16, 1e-3f), smallish = to_bits(ULY_BF16, 1e-2f);
-    for (a.deterministic = 0; a.deterministic < 2; a.deterministic++) {
-        for (int t : {3, 5, 6, 7}) cudaMemset(dev[t], 0xff, in[t].size() * 2); /* NaN: unwritten */
-        uly_status st = fa.fwd(fa.ctx, &a);
-        if (!st.code) st = fa.bwd(fa.ctx, &a);
-        CHECK(!st.code && cudaDeviceSynchronize() == cudaSuccess, "B %lld, S %lld: '%s'",
-              (long long)B, (long long)S, st.msg);
+    for (f.a.deterministic = 0; f.a.deterministic < 2; f.a.deterministic++) {
+        for (int t : {3, 5, 6, 7}) /* NaN again: unwritten */
+            cudaMemset(f.x[t].t.data, 0xff, (size_t)f.x[t].elems * 2);
+        run_both(f, f.a.deterministic ? "deterministic" : "atomic dQ");
         for (int t : {3, 5, 6, 7})
-            cudaMemcpy(in[t].data(), dev[t], in[t].size() * 2, cudaMemcpyDeviceToHost);
+            cudaMemcpy(in[t].data(), f.x[t].t.data, in[t].size() * 2, cudaMemcpyDeviceToHost);
         fvec lse((size_t)rows);
-        cudaMemcpy(lse.data(), a.lse, (size_t)rows * 4, cudaMemcpyDeviceToHost);
+        cudaMemcpy(lse.data(), f.a.lse, (size_t)rows * 4, cudaMemcpyDeviceToHost);
         const bits &o = in[3], &dq = in[5], &dk = in[6], &dv = in[7];
         int64_t bad[5] = {0, 0, 0, 0, 0}; /* o, lse, dv, dq, dk */
         for (int64_t e = 0; e < rows * D; e++) {
@@ -749,11 +762,10 @@ static void one_key_case(int64_t B, int64_t S) {
         }
         CHECK(!bad[0] && !bad[1] && !bad[2] && !bad[3] && !bad[4], "B %lld, S %lld, "
               "deterministic %d: wrong o %lld, lse %lld, dv %lld, dq %lld, dk %lld", (long long)B,
-              (long long)S, a.deterministic, (long long)bad[0], (long long)bad[1],
+              (long long)S, f.a.deterministic, (long long)bad[0], (long long)bad[1],
               (long long)bad[2], (long long)bad[3], (long long)bad[4]);
     }
-    for (void *p : dev) cudaFree(p);
-    cudaFree(a.lse), cudaFree(a.workspace);
+    free_args(f);
 }
 
 TEST(grids_past_the_slice_size) {
@@ -772,19 +784,22 @@ static __global__ void fill_bits(uint16_t *x, int64_t n, uint64_t stream) {
 static void two_key_row(int64_t i, int64_t D, const fvec &value, const std::vector<uint16_t> &k,
                         const std::vector<uint16_t> &v, double *o, double *lse, double *dq) {
     const double scale = 1 / sqrt((double)D);
-    double s[2] = {0, 0}, dp[2] = {0, 0}, p[2], dsum = 0;
+    double q[128], dout[128], s[2] = {0, 0}, dp[2] = {0, 0}, p[2], dsum = 0;
+    for (int64_t d = 0; d < D; d++) {
+        q[d] = value[one_key_bits((uint64_t)(i * D + d), 0)];
+        dout[d] = value[one_key_bits((uint64_t)(i * D + d), 3)];
+    }
     for (int j = 0; j < 2; j++)
         for (int64_t d = 0; d < D; d++) {
-            const size_t e = (size_t)(j * D + d);
-            s[j] += scale * value[one_key_bits((uint64_t)(i * D + d), 0)] * value[k[e]];
-            dp[j] += value[one_key_bits((uint64_t)(i * D + d), 3)] * value[v[e]];
+            s[j] += scale * q[d] * value[k[(size_t)(j * D + d)]];
+            dp[j] += dout[d] * value[v[(size_t)(j * D + d)]];
         }
     const double m = std::max(s[0], s[1]), z = exp(s[0] - m) + exp(s[1] - m);
     for (int j = 0; j < 2; j++) p[j] = exp(s[j] - m) / z;
     *lse = m + log(z);
     for (int64_t d = 0; d < D; d++) {
         o[d] = p[0] * value[v[(size_t)d]] + p[1] * value[v[(size_t)(D + d)]];
-        dsum += value[one_key_bits((uint64_t)(i * D + d), 3)] * o[d];
+        dsum += dout[d] * o[d];
     }
     for (int64_t d = 0; d < D; d++)
         dq[d] = scale * (p[0] * (dp[0] - dsum) * value[k[(size_t)d]] +
@@ -803,40 +818,26 @@ TEST(dq_accumulator_past_2_31_elements) {
 #else
     const int64_t S = ((int64_t)1 << 24) + 256;
 #endif
-    const int64_t D = 128, Sk = 2, n[8] = {S, Sk, Sk, S, S, S, Sk, Sk};
-    fvec value(65536);
-    for (uint32_t x = 0; x < 65536; x++) value[x] = from_bits(ULY_BF16, (uint16_t)x);
-    std::vector<uint16_t> k((size_t)(Sk * D)), v(k.size());
+    const int64_t D = 128;
+    const fvec value = bf16_values();
+    std::vector<uint16_t> k((size_t)(2 * D)), v(k.size());
     for (size_t e = 0; e < k.size(); e++) k[e] = one_key_bits(e, 1), v[e] = one_key_bits(e, 2);
-    uly_attn_args a;
-    memset(&a, 0, sizeof a);
-    uly_tensor *views[8] = {&a.q, &a.k, &a.v, &a.o, &a.dout, &a.dq, &a.dk, &a.dv};
-    for (int t = 0; t < 8; t++) {
-        void *p = NULL;
-        CHECK(cudaMalloc(&p, (size_t)(n[t] * D * 2)) == cudaSuccess, "cudaMalloc");
-        cudaMemset(p, 0xff, (size_t)(n[t] * D * 2)); /* NaN: unwritten */
-        *views[t] = uly_dense(p, ULY_BF16, 1, n[t], 1, D);
-    }
-    ULY_LAUNCH(fill_bits, dim3(1024), dim3(256), 0, 0, (uint16_t *)a.q.data, S * D, 0);
-    ULY_LAUNCH(fill_bits, dim3(1024), dim3(256), 0, 0, (uint16_t *)a.dout.data, S * D, 3);
-    cudaMemcpy(a.k.data, k.data(), k.size() * 2, cudaMemcpyHostToDevice);
-    cudaMemcpy(a.v.data, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
-    const uly_attn fa = uly_flash_attention();
-    cudaMalloc((void **)&a.lse, (size_t)S * 4);
-    a.workspace_bytes = fa.workspace(fa.ctx, &a);
-    cudaMalloc(&a.workspace, (size_t)a.workspace_bytes);
-    uly_status st = fa.fwd(fa.ctx, &a);
-    if (!st.code) st = fa.bwd(fa.ctx, &a);
-    CHECK(!st.code && cudaDeviceSynchronize() == cudaSuccess, "'%s'", st.msg);
+    flash_args f = alloc_args(1, S, 2, 1, D, 0);
+    ULY_LAUNCH(fill_bits, dim3(1024), dim3(256), 0, 0, (uint16_t *)f.a.q.data, S * D, 0);
+    ULY_LAUNCH(fill_bits, dim3(1024), dim3(256), 0, 0, (uint16_t *)f.a.dout.data, S * D, 3);
+    cudaMemcpy(f.a.k.data, k.data(), k.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(f.a.v.data, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
+    run_both(f, "atomic dQ");
     int64_t bad[3] = {0, 0, 0}; /* out, lse, dq */
     double most = 0, ref_o[128], ref_lse, ref_dq[128];
     std::vector<uint16_t> o((size_t)D), dq((size_t)D);
     for (int64_t i = 0; i < S; i++) {
         if (i >= 256 && i < S - 512) continue;
         float lse;
-        cudaMemcpy(o.data(), (uint16_t *)a.o.data + i * D, (size_t)D * 2, cudaMemcpyDeviceToHost);
-        cudaMemcpy(dq.data(), (uint16_t *)a.dq.data + i * D, (size_t)D * 2, cudaMemcpyDeviceToHost);
-        cudaMemcpy(&lse, a.lse + i, 4, cudaMemcpyDeviceToHost);
+        cudaMemcpy(o.data(), (uint16_t *)f.a.o.data + i * D, (size_t)D * 2, cudaMemcpyDeviceToHost);
+        cudaMemcpy(dq.data(), (uint16_t *)f.a.dq.data + i * D, (size_t)D * 2,
+                   cudaMemcpyDeviceToHost);
+        cudaMemcpy(&lse, f.a.lse + i, 4, cudaMemcpyDeviceToHost);
         two_key_row(i, D, value, k, v, ref_o, &ref_lse, ref_dq);
         bad[1] += !(fabs(lse - ref_lse) <= 1e-3 + 1e-6 * fabs(ref_lse));
         for (int64_t d = 0; d < D; d++) {
@@ -848,8 +849,7 @@ TEST(dq_accumulator_past_2_31_elements) {
     CHECK(!bad[0] && !bad[1] && !bad[2] && most > 0.05, "S %lld: wrong out %lld, lse %lld, dq "
           "%lld; largest dq %.3g", (long long)S, (long long)bad[0], (long long)bad[1],
           (long long)bad[2], most);
-    for (uly_tensor *t : views) cudaFree(t->data);
-    cudaFree(a.lse), cudaFree(a.workspace);
+    free_args(f);
 }
 
 /* The kernels count rows in int and add two counts: at most 2^30 rows a sequence. Batches and
