@@ -127,7 +127,8 @@ ULYDEF uly_layout uly_cuda_layout(void);
    argument of each call); alltoallv copies device to device between the ranks' buffers, ordered
    by events, so the streams of different ranks run concurrently. allreduce_sum takes GPU or
    host memory (read once the stream is done) and synchronizes the stream. In both, counts that
-   differ between ranks, or a rank that fails, fail every rank alike (ULY_ECOMM on its peers).
+   differ between ranks (or allreduce_sum's memory: host on some, GPU on others), or a rank that
+   fails, fail every rank alike (ULY_ECOMM on its peers).
    barrier meets the host threads. Each thread makes the caller's GPU current; if that fails on
    any, fn runs on none and the failing rank's error is returned. */
 ULYDEF uly_status uly_cuda_local_run(int size, void (*fn)(const uly_comm *comm, void *user),
@@ -143,7 +144,8 @@ ULYDEF uly_attn uly_cuda_reference_attention(void);
    keeps a pointer to n, which must outlive it.
    NCCL moves GPU memory only, so allreduce_sum of host memory (uly_loss_reduce's) and barrier
    go through `scratch`, ULY_NCCL_SCRATCH doubles of device memory the caller provides (NULL:
-   they return ULY_EUNSUPPORTED), and wait for the stream as uly_nccl_wait does. Calls given no
+   they return ULY_EUNSUPPORTED), in chunks, and wait for the stream as uly_nccl_wait does; so
+   every rank must give allreduce_sum the same kind of memory (NCCL cannot check). Calls given no
    stream (barrier, uly_loss_reduce's allreduce_sum) use `stream`, a stream of comm's device
    the caller makes (uly_nccl_comm refuses NULL): cudaStreamPerThread would be another stream
    to a non-blocking communicator, whose work NCCL's own thread may launch (so never give it to
@@ -848,26 +850,34 @@ static uly_status uly__dl_alltoallv(void *ctx, const void *send, const int64_t *
    stream is what is summed); device memory through a copy on the stream. Given no stream, the
    calling rank's per-thread default one (the legacy stream would wait for every rank's work).
    Every rank takes part in every round, failed or not, so that all of them return alike: first
-   each learns every count (-1: a rank that failed), then each chunk carries whether a rank's
-   copy failed. A rank that went away alone would leave its peers to pair this call with its
-   next one. */
+   each learns every count (-1: a rank that failed) and memory (the two take different rounds),
+   then each chunk carries whether a rank's copy failed. A rank that went away alone would leave
+   its peers to pair this call with its next one. */
 enum { ULY__DL_CHUNK = 64 }; /* doubles a host round trip carries: a stack buffer */
+typedef struct uly__dl_sum {
+    int64_t n, device;
+} uly__dl_sum;
 static uly_status uly__dl_allreduce(void *ctx, double *buf, int64_t n, void *stream) {
+    static const char *const memory[2] = {"host", "device"};
     const uly_comm *host = ((uly__dl_rank *)ctx)->host;
     cudaStream_t s = stream ? (cudaStream_t)stream : cudaStreamPerThread;
-    int64_t mine[ULY_MAX_SP], count[ULY_MAX_SP];
+    uly__dl_sum mine[ULY_MAX_SP], peer[ULY_MAX_SP];
     int device = 0;
     uly_status st = uly__sum_buffer(buf, n, &device);
     if (!st.code && !device)
         st = uly__cuda(cudaStreamSynchronize(s), "device-local allreduce_sum");
-    for (int j = 0; j < host->size; j++) mine[j] = st.code ? -1 : n;
-    ULY__TRY(uly__dl_trade(host, mine, count, sizeof *mine));
-    for (int i = 0; i < host->size && !st.code; i++)
-        if (count[i] != n)
-            st = count[i] < 0 ? uly__err(ULY_ECOMM, "allreduce_sum: rank %d failed", i)
-                              : uly__err(ULY_ECOMM, "allreduce_sum: rank %d sums %lld values, "
-                                         "rank %d %lld", i, ULY__LL(count[i]), host->rank,
-                                         ULY__LL(n));
+    for (int j = 0; j < host->size; j++) mine[j].n = st.code ? -1 : n, mine[j].device = device;
+    ULY__TRY(uly__dl_trade(host, mine, peer, sizeof *mine));
+    for (int i = 0; i < host->size && !st.code; i++) {
+        if (peer[i].n < 0)
+            st = uly__err(ULY_ECOMM, "allreduce_sum: rank %d failed", i);
+        else if (peer[i].n != n)
+            st = uly__err(ULY_ECOMM, "allreduce_sum: rank %d sums %lld values, rank %d %lld", i,
+                          ULY__LL(peer[i].n), host->rank, ULY__LL(n));
+        else if (peer[i].device != device)
+            st = uly__err(ULY_ECOMM, "allreduce_sum: rank %d sums values in %s memory, rank %d "
+                          "in %s memory", i, memory[peer[i].device], host->rank, memory[device]);
+    }
     if (st.code) return st;
     if (!device) return host->allreduce_sum(host->ctx, buf, n, NULL);
     cudaError_t e = cudaSuccess;

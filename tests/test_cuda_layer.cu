@@ -964,6 +964,7 @@ TEST(device_local_alltoallv_fails_every_rank_a_failed_call_leaves_unordered) {
 typedef struct sum_job {
     int64_t n[4];  /* each rank's count (-1: a bad argument) */
     int null_buf;  /* the ranks (bits) that pass buf NULL */
+    int host_buf;  /* the ranks (bits) that pass host memory */
     int fail_copy; /* the rank whose copies fail (-1: none) */
     uly_status st[4], next[4];
     double got[4];
@@ -981,7 +982,8 @@ static void sum_main(const uly_comm *c, void *user) {
 #ifdef ULY_EMU
     if (r == j->fail_copy) uly_emu_fail_call("cudaMemcpyAsync", 1, cudaErrorInvalidValue);
 #endif
-    j->st[r] = c->allreduce_sum(c->ctx, j->null_buf >> r & 1 ? NULL : dev, j->n[r], s);
+    double *buf = j->null_buf >> r & 1 ? NULL : j->host_buf >> r & 1 ? h : dev;
+    j->st[r] = c->allreduce_sum(c->ctx, buf, j->n[r], s);
     j->next[r] = c->allreduce_sum(c->ctx, dev, 1, s);
     cudaMemcpy(&j->got[r], dev, sizeof(double), cudaMemcpyDeviceToHost);
     cudaFree(dev);
@@ -992,19 +994,23 @@ TEST(device_local_allreduce_fails_every_rank_alike) {
     static const struct {
         const char *what;
         int64_t n[4];
-        int null_buf, fail_copy, bad; /* bad -1: every rank succeeds */
+        int null_buf, host_buf, fail_copy, bad; /* bad -1: every rank succeeds */
         uly_code code;
         const char *bad_says, *others_say;
     } cases[] = {
-        {"counts 64, 64, 100, 64 (one chunk in common)", {64, 64, 100, 64}, 0, -1, 2, ULY_ECOMM,
-         "rank 0 sums 64 values, rank 2 100", "rank 2 sums 100 values"},
-        {"n = -1 on rank 0", {-1, 3, 3, 3}, 0, -1, 0, ULY_EINVAL, "n (-1) must be >= 0",
+        {"counts 64, 64, 100, 64 (one chunk in common)", {64, 64, 100, 64}, 0, 0, -1, 2,
+         ULY_ECOMM, "rank 0 sums 64 values, rank 2 100", "rank 2 sums 100 values"},
+        {"n = -1 on rank 0", {-1, 3, 3, 3}, 0, 0, -1, 0, ULY_EINVAL, "n (-1) must be >= 0",
          "rank 0 failed"},
-        {"buf NULL with 3 values on rank 0", {3, 3, 3, 3}, 1, -1, 0, ULY_EINVAL, "buf not NULL",
-         "rank 0 failed"},
-        {"nothing to sum, buf NULL everywhere", {0, 0, 0, 0}, 15, -1, -1, ULY_OK, "", ""},
+        {"buf NULL with 3 values on rank 0", {3, 3, 3, 3}, 1, 0, -1, 0, ULY_EINVAL,
+         "buf not NULL", "rank 0 failed"},
+        /* 65: device memory's first round (64 values and a flag) is host memory's one round */
+        {"rank 1's 65 values in host memory", {65, 65, 65, 65}, 0, 2, -1, 1, ULY_ECOMM,
+         "rank 0 sums values in device memory, rank 1 in host memory",
+         "rank 1 sums values in host memory"},
+        {"nothing to sum, buf NULL everywhere", {0, 0, 0, 0}, 15, 0, -1, -1, ULY_OK, "", ""},
 #ifdef ULY_EMU
-        {"rank 1's copy fails", {100, 100, 100, 100}, 0, 1, 1, ULY_ECUDA,
+        {"rank 1's copy fails", {100, 100, 100, 100}, 0, 0, 1, 1, ULY_ECUDA,
          "device-local allreduce_sum", "1 rank(s) could not copy their values"},
 #endif
     };
@@ -1012,7 +1018,7 @@ TEST(device_local_allreduce_fails_every_rank_alike) {
         sum_job j;
         memset(&j, 0, sizeof j);
         memcpy(j.n, k.n, sizeof j.n);
-        j.null_buf = k.null_buf, j.fail_copy = k.fail_copy;
+        j.null_buf = k.null_buf, j.host_buf = k.host_buf, j.fail_copy = k.fail_copy;
         const uly_status st = uly_cuda_local_run(4, sum_main, &j);
         CHECK(!st.code, "%s: %s", k.what, st.msg);
         for (int r = 0; r < 4; r++) {
