@@ -220,7 +220,8 @@ typedef struct uly_varlen {
    (and P, dS into dout, K), and 0 * Inf is NaN, so an Inf or NaN in k or v at a key some rows
    of its tile mask, or in dout at a row with no key kept, can reach rows that never see it, as
    in FlashAttention and the cuBLASLt attention. The reference attentions (ulysses.h's CPU one
-   and uly_cuda_reference_attention) skip masked keys. Finite inputs stay finite. */
+   and uly_cuda_reference_attention) skip masked keys. With finite inputs masking makes no NaN
+   or Inf (a result past the dtype's range, fp16's 65504, still overflows, as in any attention). */
 ULYDEF uly_attn uly_flash_attention(void);
 
 /* Varlen: args as for the dense calls, with q.b == k.b == 1 and the documents taken from v.
@@ -321,9 +322,10 @@ static __device__ __forceinline__ void uly_mma_m16n8k16(float d[4], const uint32
 #endif
 }
 
-// ex2.approx.ftz.f32: 2^x to about 2 ulp, subnormal inputs and results flushed to +-0 (2^-inf
-// is +0). The softmax's exponential: exp2f spends a range test and two multiplies per call on
-// subnormal results, and a probability under 2^-126 adds nothing to a bf16/fp16 product.
+// ex2.approx.ftz.f32: 2^x to about 2 ulp, subnormal inputs flushed to +-0 and subnormal
+// results to +0 (as is 2^-inf). The softmax's exponential: exp2f spends a range test and two
+// multiplies per call on subnormal results, and a probability under 2^-126 adds nothing to a
+// bf16/fp16 product.
 static __device__ __forceinline__ float uly_ex2(float x) {
 #ifdef ULY_EMU
     return uly_emu_ex2(x);
@@ -475,16 +477,16 @@ __host__ __device__ __forceinline__ int64_t uly__kv_head(int64_t q_head0, int64_
     return (q_head0 + h) / g - q_head0 / g;
 }
 
-/* The inverse: the local query heads [first, last) of the nh held that read local kv head hk. */
+/* The inverse: the local query heads [first, end) of the nh held that read local kv head hk. */
 struct uly__head_span {
-    int64_t first, last;
+    int64_t first, end;
 };
 __host__ __device__ __forceinline__ uly__head_span uly__q_heads(int64_t q_head0, int64_t g,
                                                                 int64_t hk, int64_t nh) {
     const int64_t g0 = q_head0 / g;
     uly__head_span r;
     r.first = max((int64_t)0, (hk + g0) * g - q_head0);
-    r.last = min(nh, (hk + g0 + 1) * g - q_head0);
+    r.end = min(nh, (hk + g0 + 1) * g - q_head0);
     return r;
 }
 
@@ -1288,7 +1290,7 @@ __global__ void __launch_bounds__(ULY__REF_THREADS) uly__ref_bwd_kv(const uly__r
     const T *k = uly__row<T>(p.k, b, j, hk), *v = uly__row<T>(p.v, b, j, hk);
     float dk[ULY__REF_MAX_D], dv[ULY__REF_MAX_D];
     for (int64_t d = 0; d < D; d++) dk[d] = dv[d] = 0.f;
-    for (int64_t h = heads.first; h < heads.last; h++)
+    for (int64_t h = heads.first; h < heads.end; h++)
         for (int64_t i = i_begin; i < p.q.s; i++) {
             const int64_t row = (b * p.q.h + h) * p.q.s + i;
             const T *q = uly__row<T>(p.q, b, i, h), *dout = uly__row<T>(p.dout, b, i, h);
@@ -1417,7 +1419,7 @@ struct uly__fa_params {
     float *dsum, *dq_acc;         /* backward workspace */
     int64_t lse_sb, lse_sh;
     const int32_t *cu_q, *cu_k;   /* varlen, or NULL */
-    int sq, sk;                   /* dense lengths */
+    int sq, sk;                   /* dense lengths; varlen: q's and k's rows, all documents */
     int64_t q_head0, kv_group;
     float scale, scale_log2;      /* softmax_scale and softmax_scale * log2(e) */
     int causal;
@@ -1993,7 +1995,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd_kv::WARPS * 32)
     if (n0 >= s.sk) return;
     const int64_t hk = blockIdx.x;
     const uly__head_span heads = uly__q_heads(p.q_head0, p.kv_group, hk, p.q.h);
-    const int64_t h_begin = heads.first, h_end = heads.last;
+    const int64_t h_begin = heads.first, h_end = heads.end;
     const int diag = s.sk - s.sq;
     const int m_begin = p.causal ? max(0, n0 - diag) / BM * BM : 0; /* first row seeing key n0 */
     const int m_blocks = s.sq > m_begin ? (s.sq - m_begin + BM - 1) / BM : 0;
@@ -2311,6 +2313,7 @@ template <typename F> static uly_status uly__fa_dispatch(uly_dtype t, int64_t d,
                    : f(uly__fa_type<__half>(), uly__fa_dim<128>());
 }
 
+/* A grid's block count: int, as rows are at most ULY__FA_MAX_ROWS (2^30). */
 static int uly__fa_cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
 /* The row passes' grid (uly__flash_bwd_pre). */
@@ -2816,7 +2819,7 @@ static uly_status uly__lt_run(cublasLtHandle_t lt, const uly_attn_args *a, int b
     for (int64_t b = 0; b < B; b++)
         for (int64_t j = 0; j < a->k.h; j++) {
             const uly__head_span heads = uly__q_heads(a->q_head0, g, j, H);
-            const uly__lt_job job = {b, j, heads.first, heads.last - heads.first};
+            const uly__lt_job job = {b, j, heads.first, heads.end - heads.first};
             if (job.n > 0)
                 ULY__TRY(backward ? uly__lt_bwd_job<T>(lt, a, w, job)
                                   : uly__lt_fwd_job<T>(lt, a, w, job));
