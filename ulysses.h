@@ -68,7 +68,11 @@
        failures (starting threads); each rank's results are the rank function's to keep.
        Nothing aborts or exits (but MPI or CUDA may: an MPI error under a handler that aborts,
        a device-side trap); sizes that overflow int64, or byte counts a communicator cannot
-       carry, are errors and never truncated.
+       carry, are errors and never truncated. Errors are per rank: what the plan refuses, every
+       rank refuses alike, but a rank's own bad buffer (NULL, short, overlapping) stops that
+       rank alone, before its first exchange, where its peers wait for it as in any collective
+       a rank leaves (the local communicators tell them when it returns). So on an error, abort
+       the communicator on every rank (MPI_Abort, ncclCommAbort).
 
    OPTIONS (define before including)
        ULYSSES_IMPLEMENTATION   make the implementation in this translation unit
@@ -247,11 +251,11 @@ ULYDEF uly_status uly_local_run(int size, void (*fn)(const uly_comm *comm, void 
 #ifdef ULYSSES_MPI
 /* The MPI communicator over `comm` (an SP group). A peer's byte count above chunk_bytes
    (0 = INT_MAX: MPI's int counts; MPI 4's large-count calls are not in every MPI) is moved in
-   messages of at most chunk_bytes; every rank of comm must use the same chunk_bytes. Those
-   messages are point-to-point on comm (tag 0x756c): give the library a communicator of its own
-   (MPI_Comm_dup) unless nothing else receives or probes on comm while the layer runs. Each
-   alltoallv first trades its counts (one small all-to-all and a sum), so counts that do not
-   match, or bad arguments on one rank, fail every rank alike, before any byte moves. */
+   messages of at most chunk_bytes, point-to-point on comm (tag 0x756c): give the library a
+   communicator of its own (MPI_Comm_dup) unless nothing else receives or probes on comm while
+   the layer runs. Each alltoallv first trades its counts and chunk sizes (one small all-to-all
+   and a sum), so counts that do not match, chunk_bytes that differ, or bad arguments on one
+   rank fail every rank alike, before any byte moves. */
 typedef struct uly_mpi {
     MPI_Comm comm;
     int64_t chunk_bytes;
@@ -388,11 +392,11 @@ ULYDEF float *uly_saved_lse(const uly_plan *p, void *saved); /* [B, H_r, S] */
 ULYDEF uly_status uly_forward(const uly_layer *l, uly_tensor q, uly_tensor k, uly_tensor v,
                               uly_tensor out, void *saved, int64_t saved_bytes);
 /* dq, dk, dv are overwritten, in sequence layout. A kv head whose query heads are on several
-   ranks (always when P > Hkv; also where H splits unevenly) gets a share of its dk, dv from
-   each: a share is rounded to the dtype and the owner sums the shares in fp32, rounding once
-   (uly_cpu_layout). That is one rounding per rank more than an unsharded backward, and never
-   more than FlashAttention's own GQA backward, which rounds each query head's dk, dv before
-   summing them. */
+   ranks (always when P > Hkv; else where a rank's first query head falls inside a GQA group, as
+   with H = 12, Hkv = 6, P = 4) gets a share of its dk, dv from each: a share is rounded to the
+   dtype and the owner sums the shares in fp32, rounding once (uly_cpu_layout). That is one
+   rounding per rank more than an unsharded backward, and never more than FlashAttention's own
+   GQA backward, which rounds each query head's dk, dv before summing them. */
 ULYDEF uly_status uly_backward(const uly_layer *l, uly_tensor dout, const void *saved,
                                int64_t saved_bytes, uly_tensor dq, uly_tensor dk, uly_tensor dv);
 /* Checks that every rank of l->comm runs the same layer: the plan's desc (shape, dtype, world,
@@ -1313,37 +1317,43 @@ static uly_status uly__mpi_block(int64_t n, int64_t off, int64_t chunk, MPI_Data
 }
 
 /* Every rank tells each peer how many bytes it sends it (-1: none, as this rank's own arguments
-   failed: mine), and all learn whether any rank got a count it does not expect. So bad counts or
-   arguments on one rank fail every rank before a byte moves: none waits for a rank that
-   returned, and no chunked message is left behind for the next call's receives to take. */
-static uly_status uly__mpi_agree(MPI_Comm comm, int P, uly_status mine, const int64_t *sc,
-                                 const int64_t *rc) {
-    int64_t out[ULY_MAX_SP], in[ULY_MAX_SP];
+   failed: mine) and in what chunks, and all learn whether any rank got a count it does not
+   expect, or another chunk size. So bad counts or arguments on one rank fail every rank before
+   a byte moves: none waits for a rank that returned, and no chunked message is left behind for
+   the next call's receives to take. */
+static uly_status uly__mpi_agree(MPI_Comm comm, int P, uly_status mine, int64_t chunk,
+                                 const int64_t *sc, const int64_t *rc) {
+    int64_t out[2 * ULY_MAX_SP], in[2 * ULY_MAX_SP]; /* a peer's count and chunk */
     uly_status st = mine;
     int failed;
-    for (int j = 0; j < P; j++) out[j] = mine.code ? -1 : sc[j];
-    ULY__TRY(uly__mpi(MPI_Alltoall(out, 1, MPI_INT64_T, in, 1, MPI_INT64_T, comm),
+    for (int j = 0; j < P; j++) out[2 * j] = mine.code ? -1 : sc[j], out[2 * j + 1] = chunk;
+    ULY__TRY(uly__mpi(MPI_Alltoall(out, 2, MPI_INT64_T, in, 2, MPI_INT64_T, comm),
                       "MPI_Alltoall"));
     for (int i = 0; i < P && !st.code; i++) {
-        if (in[i] < 0)
+        if (in[2 * i] < 0)
             st = uly__err(ULY_ECOMM, "alltoallv: rank %d failed (bad arguments) and sends nothing",
                           i);
-        else if (in[i] != rc[i])
+        else if (in[2 * i + 1] != chunk)
+            st = uly__err(ULY_ECOMM, "alltoallv: rank %d sends messages of up to %lld bytes, this "
+                          "rank of up to %lld: every rank must use the same chunk_bytes", i,
+                          ULY__LL(in[2 * i + 1]), ULY__LL(chunk));
+        else if (in[2 * i] != rc[i])
             st = uly__err(ULY_ECOMM, "alltoallv: rank %d sends %lld bytes to this rank, which "
-                          "expects %lld", i, ULY__LL(in[i]), ULY__LL(rc[i]));
+                          "expects %lld", i, ULY__LL(in[2 * i]), ULY__LL(rc[i]));
     }
     failed = st.code != 0;
     ULY__TRY(uly__mpi(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_SUM, comm),
                       "MPI_Allreduce"));
     ULY__TRY(st);
-    ULY__CHECK(!failed, ULY_ECOMM, "alltoallv: %d rank(s) failed (bad arguments, or counts that "
-               "do not match their senders')", failed);
+    ULY__CHECK(!failed, ULY_ECOMM, "alltoallv: %d rank(s) failed (bad arguments, or counts or "
+               "chunks that do not match their senders')", failed);
     return uly__ok();
 }
 
-/* Once the ranks agree on the counts, pairs whose count fits a chunk move in one MPI_Alltoallw,
-   larger ones in chunked messages: both ends of a pair see the same count, so they make the
-   same choice. */
+/* Pairs whose count fits a chunk move in one MPI_Alltoallw, larger ones in chunked messages:
+   once the ranks agree on the counts, both ends of a pair see the same count and make the same
+   choice. The blocks' types are made before the agreement, so that a rank which cannot make one
+   fails there, with its peers, instead of leaving them in MPI_Alltoallw. */
 static uly_status uly__mpi_exchange(uly_mpi *m, const void *send, const int64_t *send_counts,
                                     const int64_t *send_offs, void *recv,
                                     const int64_t *recv_counts, const int64_t *recv_offs) {
@@ -1355,13 +1365,13 @@ static uly_status uly__mpi_exchange(uly_mpi *m, const void *send, const int64_t 
     ULY__CHECK(P <= ULY_MAX_SP, ULY_EINVAL, "alltoallv: the communicator has %d ranks, more than "
                "ULY_MAX_SP (%d): an SP group is at most that", P, ULY_MAX_SP);
     st = uly__check_counts(P, send, send_counts, send_offs, recv, recv_counts, recv_offs);
-    ULY__TRY(uly__mpi_agree(m->comm, P, st, send_counts, recv_counts));
     for (int j = 0; j < P; j++) stype[j] = rtype[j] = MPI_BYTE;
     for (int j = 0; j < P && !st.code; j++) {
         st = uly__mpi_block(send_counts[j], send_offs[j], chunk, &stype[j], &sn[j], &sd[j]);
         if (!st.code)
             st = uly__mpi_block(recv_counts[j], recv_offs[j], chunk, &rtype[j], &rn[j], &rd[j]);
     }
+    st = uly__mpi_agree(m->comm, P, st, chunk, send_counts, recv_counts);
     if (!st.code)
         st = uly__mpi(MPI_Alltoallw(send, sn, sd, stype, recv, rn, rd, rtype, m->comm),
                       "MPI_Alltoallw");
@@ -1449,7 +1459,8 @@ ULYDEF uly_status uly_mpi_comm(uly_mpi *m, uly_comm *out) {
    other's sp_size (0 for a rank whose arguments are bad), so that all refuse alike instead of
    some waiting for the others in a split, or splitting into groups that do not fit. */
 static uly_status uly__mpi_split_world(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {
-    int size, rank, rc;
+    int size, rank;
+    uly_status st;
     const int mine = sp && dp && sp_size >= 1 && sp_size <= ULY_MAX_SP ? sp_size : 0;
     int range[2] = {mine, -mine}; /* the world's smallest sp_size, and its largest negated */
     ULY__TRY(uly__mpi_group(world, "world", &size, &rank));
@@ -1462,17 +1473,20 @@ static uly_status uly__mpi_split_world(MPI_Comm world, int sp_size, MPI_Comm *sp
                range[0], -range[1], sp_size);
     ULY__CHECK(size % sp_size == 0, ULY_EINVAL, "sp_size (%d) must divide the world size (%d)",
                sp_size, size);
-    ULY__TRY(uly__mpi(MPI_Comm_split(world, rank / sp_size, rank, sp), "MPI_Comm_split (sp)"));
-    rc = MPI_Comm_split(world, rank % sp_size, rank, dp);
-    if (rc != MPI_SUCCESS) MPI_Comm_free(sp); /* and *sp is MPI_COMM_NULL again */
-    return uly__mpi(rc, "MPI_Comm_split (dp)");
+    st = uly__mpi(MPI_Comm_split(world, rank / sp_size, rank, sp), "MPI_Comm_split (sp)");
+    if (!st.code) {
+        st = uly__mpi(MPI_Comm_split(world, rank % sp_size, rank, dp), "MPI_Comm_split (dp)");
+        if (st.code) MPI_Comm_free(sp);
+    }
+    if (st.code) *sp = *dp = MPI_COMM_NULL; /* MPI does not say what a failed split leaves */
+    return st;
 }
 
 static uly_status uly__mpi_split(MPI_Comm world, int sp_size, MPI_Comm *sp, MPI_Comm *dp) {
     MPI_Errhandler old;
-    ULY__CHECK(world != MPI_COMM_NULL, ULY_EINVAL, "world is MPI_COMM_NULL");
     if (sp) *sp = MPI_COMM_NULL;
     if (dp) *dp = MPI_COMM_NULL;
+    ULY__CHECK(world != MPI_COMM_NULL, ULY_EINVAL, "world is MPI_COMM_NULL");
     ULY__TRY(uly__mpi_enter(world, &old));
     return uly__mpi_leave(world, &old, uly__mpi_split_world(world, sp_size, sp, dp));
 }

@@ -303,10 +303,10 @@ TEST(alltoallv_places_blocks_at_offsets_beyond_INT_MAX_bytes) {
 TEST(alltoallv_without_chunk_limit_honours_counts_and_offsets) { check_alltoallv(0); }
 
 /* 3000 bytes from every rank to every other, in 1000-byte chunks: `bad` breaks one call on rank
-   1 (expects 2000 from rank 0, or passes send NULL). Every rank fails that call, before any
-   byte moves (a chunk left behind would be taken by the next call's receive), and the next
-   call, with the same buffers, moves every byte. st: this rank's status of the broken call;
-   wrong: bytes the next call got wrong. */
+   1 (1: expects 2000 from rank 0, 2: passes send NULL, 3: moves 2000-byte chunks). Every rank
+   fails that call, before any byte moves (a chunk left behind would be taken by the next call's
+   receive), and the next call, with the same buffers, moves every byte. st: this rank's status
+   of the broken call; wrong: bytes the next call got wrong. */
 static void broken_then_whole(int bad, uly_status *st, int64_t *wrong) {
     enum { N = 3000 };
     const int P = world_size, me = world_rank;
@@ -317,10 +317,12 @@ static void broken_then_whole(int bad, uly_status *st, int64_t *wrong) {
         sc[j] = rc[j] = N, so[j] = ro[j] = (int64_t)j * N;
         for (int64_t k = 0; k < N; k++) send[j * N + k] = a2a_byte(me, j, k);
     }
-    uly_mpi m;
+    uly_mpi m, m_bad;
     uly_comm comm = mpi_comm(&m, MPI_COMM_WORLD, 1000);
+    uly_comm broken = mpi_comm(&m_bad, MPI_COMM_WORLD, me == 1 && bad == 3 ? 2000 : 1000);
     if (me == 1 && bad == 1) rc[0] = 2000;
-    *st = comm.alltoallv(comm.ctx, me == 1 && bad == 2 ? NULL : send, sc, so, recv, rc, ro, NULL);
+    *st = broken.alltoallv(broken.ctx, me == 1 && bad == 2 ? NULL : send, sc, so, recv, rc, ro,
+                           NULL);
     rc[0] = N;
     memset(recv, 0xAB, (size_t)P * N);
     uly_status next = comm.alltoallv(comm.ctx, send, sc, so, recv, rc, ro, NULL);
@@ -348,6 +350,18 @@ TEST(alltoallv_bad_arguments_on_one_rank_fail_every_rank) {
     const char *want = world_rank == 1 ? "send is NULL" : "rank 1 failed (bad arguments)";
     ALL_CHECK(st.code == (world_rank == 1 ? ULY_EINVAL : ULY_ECOMM) && strstr(st.msg, want),
               "'%s', want '%s'", st.msg, want);
+    ALL_CHECK(wrong == 0, "the next call got %lld bytes wrong", (long long)wrong);
+}
+
+TEST(alltoallv_chunk_bytes_that_differ_fail_every_rank) {
+    uly_status st;
+    int64_t wrong;
+    broken_then_whole(3, &st, &wrong);
+    const char *want = world_rank == 1 ? "rank 0 sends messages of up to 1000 bytes, this rank of "
+                                         "up to 2000"
+                                       : "rank 1 sends messages of up to 2000 bytes, this rank of "
+                                         "up to 1000";
+    ALL_CHECK(st.code == ULY_ECOMM && strstr(st.msg, want), "'%s', want '%s'", st.msg, want);
     ALL_CHECK(wrong == 0, "the next call got %lld bytes wrong", (long long)wrong);
 }
 
@@ -427,6 +441,14 @@ TEST(mpi_split_asked_differently_by_one_rank_fails_on_every_rank) {
                   "case %d: '%s', want '%s'; sp %s, dp %s", i, st.msg, want,
                   sp == MPI_COMM_NULL ? "null" : "set", dp == MPI_COMM_NULL ? "null" : "set");
     }
+}
+
+TEST(mpi_split_of_a_null_world_fails_and_leaves_both_null) {
+    MPI_Comm sp = MPI_COMM_WORLD, dp = MPI_COMM_WORLD;
+    uly_status st = uly_mpi_split(MPI_COMM_NULL, 2, &sp, &dp);
+    ALL_CHECK(st.code == ULY_EINVAL && strstr(st.msg, "world is MPI_COMM_NULL"), "%s", st.msg);
+    ALL_CHECK(sp == MPI_COMM_NULL && dp == MPI_COMM_NULL, "sp %s, dp %s",
+              sp == MPI_COMM_NULL ? "null" : "set", dp == MPI_COMM_NULL ? "null" : "set");
 }
 
 TEST(allreduce_sum_adds_every_ranks_doubles_in_place) {
