@@ -248,7 +248,9 @@ ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v);
    16-byte aligned, as the flash kernels' Dsum pass, which it shares, needs). Deterministic.
    ctx is the handle, which cuBLASLt ties to the device current when it was created: call with
    that device current. A product no cuBLASLt kernel runs at its operands' alignment is
-   ULY_EUNSUPPORTED. */
+   ULY_EUNSUPPORTED. Each GEMM asks cuBLASLt's heuristic for its algorithm anew (nothing is
+   kept between calls): host time that shows at short sequences, where the flash kernels are
+   the fast path anyway. */
 ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle);
 #endif
 
@@ -2750,7 +2752,9 @@ static uly_status uly__lt_fwd_job(cublasLtHandle_t lt, const uly_attn_args *a,
 }
 
 /* P again, dP = dO V^T, dS = scale P (dP - Dsum), dQ = dS K; then dK and dV summed over the
-   job's query heads in order, in fp32, and stored once. */
+   job's query heads in order, in fp32, and stored once. The sums are a GEMM a head, each adding
+   to the last (beta 1): one GEMM would reduce over (head, row) pairs, but q's and dO's heads lie
+   within a row, so no matrix of one leading dimension holds those pairs. */
 template <typename T>
 static uly_status uly__lt_bwd_job(cublasLtHandle_t lt, const uly_attn_args *a,
                                   const uly__lt_ws &w, uly__lt_job g) {
