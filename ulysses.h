@@ -962,21 +962,21 @@ static int64_t uly__work_at(const uly_plan *p, void *base, uly__work *w) {
 /* Whether the fused QKV, saved and workspace bytes of every SP rank of q's group fit int64.
    saved and the workspace differ by rank (its heads, its largest blocks), and every rank of a
    group must refuse a shape alike, or its peers would wait for it in the first exchange. */
-static int uly__sizes_fit(const uly_plan *q) {
-    const uly_plan_desc *d = &q->desc;
+static int uly__sizes_fit(const uly_plan *p) {
+    const uly_plan_desc *d = &p->desc;
     const int64_t heads = uly__add(d->n_heads, uly__mul(2, d->n_kv_heads));
     uly__work w;
-    if (uly__bytes(q, d->seq_len, heads) < 0) return 0;
+    if (uly__bytes(p, d->seq_len, heads) < 0) return 0;
     /* Without asking each rank: no buffer of any rank exceeds F = B S H D max(elem, 4) bytes
        (a rank holds at most S tokens, H heads, as many kv heads as heads, and an exchange's
        blocks sum to at most S x H rows); saved and the workspace are at most 5 and 6 of them,
        each rounded up to 256 bytes. */
-    const int64_t F = uly__mul(uly__bytes(q, d->seq_len, d->n_heads), 4 / q->elem_size);
+    const int64_t F = uly__mul(uly__bytes(p, d->seq_len, d->n_heads), 4 / p->elem_size);
     if (uly__mul(6, uly__add(F, 255)) >= 0) return 1;
     for (int r = 0; r < d->sp_size; r++) {
-        uly_plan as = *q;
+        uly_plan as = *p;
         as.sp_rank = r;
-        as.desc.rank = as.made.rank = q->dp_rank * d->sp_size + r;
+        as.desc.rank = as.made.rank = p->dp_rank * d->sp_size + r;
         if (uly_saved_bytes(&as) < 0 || uly__work_at(&as, NULL, &w) < 0) return 0;
     }
     return 1;
@@ -1793,6 +1793,7 @@ static int64_t uly__scratch_at(const uly_attn_args *a, void *base, uly__scratch 
     int64_t sp = uly__add(a->k.s, ULY__KEYS - 1);
     sp = sp < 0 ? -1 : sp / ULY__KEYS * ULY__KEYS;
     int64_t t = uly__mul(a->q.d, sp), g = uly__mul(a->q.d, a->k.s), tile = uly__mul(ULY__TILE, sp);
+    /* gk, gv and hk, hv adjacent: the backward clears and adds each pair as one array */
     float **part[8] = {&s->kt, &s->vt, &s->gk, &s->gv, &s->hk, &s->hv, &s->p, &s->dp};
     int64_t floats[8] = {t, t, g, g, g, g, tile, tile}, at = 0;
     for (int i = 0; i < 8; i++) {
@@ -2106,11 +2107,12 @@ static uly_status uly__exchange(const uly_layer *l, uly_xchg x, uly_tensor src, 
                                 const uly__work *w) {
     const uly_plan *p = l->plan;
     int64_t sc[ULY_MAX_SP], so[ULY_MAX_SP], rc[ULY_MAX_SP], ro[ULY_MAX_SP];
-    int direct = p->desc.batch == 1, to_head = uly__to_head(x);
-    void *send = direct && !to_head ? src.data : w->send;
-    void *recv = direct && to_head ? dst.data : w->recv;
+    const int direct = p->desc.batch == 1, to_head = uly__to_head(x);
+    const int pack = !direct || to_head, unpack = !direct || !to_head;
+    void *send = pack ? w->send : src.data;
+    void *recv = unpack ? w->recv : dst.data;
     uly_status st;
-    if (send == w->send) {
+    if (pack) {
         uly__phase(l, ULY_PHASE_PACK, 0);
         st = l->layout.pack(l->layout.ctx, p, x, src, send, l->stream);
         uly__phase(l, ULY_PHASE_PACK, 1);
@@ -2122,7 +2124,7 @@ static uly_status uly__exchange(const uly_layer *l, uly_xchg x, uly_tensor src, 
              ? l->comm->alltoall(l->comm->ctx, send, recv, sc[0], l->stream)
              : l->comm->alltoallv(l->comm->ctx, send, sc, so, recv, rc, ro, l->stream);
     uly__phase(l, ULY_PHASE_EXCHANGE, 1);
-    if (st.code || recv != w->recv) return st;
+    if (st.code || !unpack) return st;
     uly__phase(l, ULY_PHASE_UNPACK, 0);
     st = l->layout.unpack(l->layout.ctx, p, x, recv, dst, l->stream);
     uly__phase(l, ULY_PHASE_UNPACK, 1);
