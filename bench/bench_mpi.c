@@ -1,7 +1,7 @@
 /* bench_mpi.c - the MPI communicator's alltoallv (uly_mpi_comm) against a raw MPI_Alltoallv of
    the same bytes: the Q exchange of an SP group of all processes at several sequence lengths.
-   The target is a ratio <= 1.05. Run with 4 processes (make bench does); an argument caps the
-   sequence lengths (S from 4096 to 65536, times 4). */
+   The target is a ratio <= 1.05. Run with one process a core (make bench runs 2 to 4); an
+   argument caps the sequence lengths (S from 4096 to 65536, times 4). */
 #include <mpi.h>
 #define ULYSSES_MPI
 #define ULYSSES_IMPLEMENTATION
