@@ -249,8 +249,7 @@ ULYDEF uly_attn uly_flash_varlen_attention(const uly_varlen *v);
    ctx is the handle, which cuBLASLt ties to the device current when it was created: call with
    that device current. A product no cuBLASLt kernel runs at its operands' alignment is
    ULY_EUNSUPPORTED. Each GEMM asks cuBLASLt's heuristic for its algorithm anew (nothing is
-   kept between calls): host time that shows at short sequences, where the flash kernels are
-   the fast path anyway. */
+   kept between calls): host time, which shows where the GEMMs are small (short sequences). */
 ULYDEF uly_attn uly_cublaslt_attention(cublasLtHandle_t handle);
 #endif
 
