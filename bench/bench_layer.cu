@@ -8,7 +8,9 @@
    blocks before the next kernel's, so the ranks' attention kernels, released together by the
    exchange before them, run largely one after another, and one rank's marks alone would time
    anything from a quarter of the four ranks' attention to all of it. An exchange's window opens
-   at the last rank's start instead, since no copy starts before every rank is ready. The pass
+   at the last rank's start instead: a rank's copies from peers already packed may start before
+   it (by at most one pack's time, counted as packing), but the exchange ends only once every
+   rank's blocks have come. The pass
    runs from the first rank's first mark to the last rank's last; "not attention" is the pass
    less the attention windows. Windows of two phases can still overlap a little (one rank
    packing while another attends), so the shares can add up to more than 100%. With B = 1 the

@@ -68,12 +68,16 @@ set -- NVCC="$nvcc" CUDA_HOME="$cuda_home" PYTHON="$python" NCCL_HOME="$nccl_hom
     NVARCH="-gencode arch=compute_90,code=sm_90" \
     NVCCFLAGS="-std=c++17 -O3 -I. -Itests -Xcompiler -Wall,-Wextra"
 echo "make $*" > "$stage/make.txt"
-# step NAME SECONDS TARGET: make TARGET with at most SECONDS of the budget, into NAME.log.
+# step NAME SECONDS TARGET: make TARGET with at most SECONDS of the budget, into NAME.log. A
+# test in flight at the limit runs under a timeout of its own (tests/run.sh), in its own process
+# group, which the outer timeout's kill does not reach: end what still runs a GPU program, so
+# that it cannot share the GPU with the steps after.
 step() {
     name=$1 secs=$(left "$2")
     shift 2
     timeout -k 10 "$secs" make -k -j"$(nproc)" "$@" > "$stage/$name.log" 2>&1 ||
         echo "make $name: exit $? (limit $secs s)" >> "$stage/$name.log"
+    pkill -KILL -f 'build/gpu/' 2>/dev/null
 }
 step build 200 "$@" build-gpu
 step bench-gpu 150 "$@" bench-gpu
