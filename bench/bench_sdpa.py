@@ -29,6 +29,11 @@ def math_attention(q, k, v, is_causal):
     return s.softmax(-1) @ v
 
 
+def uniform(b, s, h, d, dev):
+    """bf16 [b, s, h, d] uniform in [-1, 1), as bench_cuda.h's bench_fill fills ours."""
+    return torch.rand(b, s, h, d, device=dev).mul_(2).sub_(1).to(torch.bfloat16)
+
+
 def time_ms(fn, cuda):
     """Median of 10 runs of fn, as bench_cuda.h's bench_median_ms: at least 2 untimed runs and
     100 ms of them (the clocks ramp up from idle), then on a GPU the timed runs back to back with
@@ -79,9 +84,9 @@ def main():
             s = smin
             while s <= smax:
                 b, h = max(1, tokens // s), width // d
-                q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
-                           .transpose(1, 2).requires_grad_() for _ in range(3))
-                dout = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+                q, k, v = (uniform(b, s, h, d, dev).transpose(1, 2).requires_grad_()
+                           for _ in range(3))
+                dout = uniform(b, s, h, d, dev).transpose(1, 2)
                 with backend():
                     fwd = time_ms(lambda: attention(q, k, v, is_causal=bool(causal)), cuda)
                     out = attention(q, k, v, is_causal=bool(causal))
