@@ -10,8 +10,10 @@
    Every rank holds the full inputs (made from one seed), runs the layer on its own tokens, and
    computes its share of the unsharded reference: whole kv groups (a kv head and its query
    heads) over all tokens, which is exactly what the unsharded call computes for those heads.
-   out and dQ must equal the reference bit for bit. dK and dV may differ slightly (the check
-   allows 1e-5): the copies of a kv head that several ranks need are summed in another order. */
+   out and dQ must equal the reference bit for bit. dK and dV may differ slightly: the copies of
+   a kv head that several ranks need are summed in another order (the layer adds up to P
+   shares, each rounded once), so the check allows 4 P float epsilons of the largest value;
+   a wrong share or a lost one is off by far more. */
 #define _POSIX_C_SOURCE 200112L
 #ifdef ULYSSES_MPI
 #include <mpi.h>
@@ -19,6 +21,7 @@
 #define ULYSSES_IMPLEMENTATION
 #include "ulysses.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,7 +113,7 @@ static uly_status max_over_ranks(const uly_comm *c, double *v, int n) {
 }
 
 static double max_err(uly_tensor a, uly_tensor b) {
-    double m = 0;
+    double m = 0, big = 0;
     for (int64_t i = 0; i < a.b; i++)
         for (int64_t s = 0; s < a.s; s++)
             for (int64_t h = 0; h < a.h; h++)
@@ -119,8 +122,9 @@ static double max_err(uly_tensor a, uly_tensor b) {
                     float y = ((float *)b.data)[i * b.sb + s * b.ss + h * b.sh + e];
                     double err = fabs((double)x - (double)y);
                     if (!(err <= m)) m = err; /* NaN sticks */
+                    big = fmax(big, fabs((double)y));
                 }
-    return m;
+    return m > 0 ? m / big : m;
 }
 
 static void print_plan(const demo *d, const uly_plan *p) {
@@ -192,6 +196,15 @@ static uly_status reference(demo *d, const uly_comm *c, double *seconds) {
     return st;
 }
 
+/* A failure this rank may meet alone. Its peers would wait for it in their next collective:
+   under MPI, end them all (ulysses.h, ERRORS); the local communicator tells its threads. */
+static void rank_failed(demo *d) {
+    d->failed = 1;
+#ifdef ULYSSES_MPI
+    MPI_Abort(MPI_COMM_WORLD, 1);
+#endif
+}
+
 static void run_rank(const uly_comm *c, void *user) {
     demo *d = (demo *)user;
     uly_plan plan;
@@ -236,7 +249,7 @@ static void run_rank(const uly_comm *c, void *user) {
     free(saved);
     if (st.code) {
         fprintf(stderr, "demo: rank %d: %s\n", c->rank, st.msg);
-        d->failed = 1;
+        rank_failed(d);
         return;
     }
     if (c->rank == 0) {
@@ -246,7 +259,7 @@ static void run_rank(const uly_comm *c, void *user) {
 
     double err[5] = {0}; /* out, dq, dk, dv, then the reference's seconds */
     st = reference(d, c, &err[4]);
-    if (st.code) fprintf(stderr, "demo: reference: %s\n", st.msg), d->failed = 1;
+    if (st.code) fprintf(stderr, "demo: reference: %s\n", st.msg), rank_failed(d);
     int64_t nq = d->B * d->S * d->H * d->D, nkv = d->B * d->S * d->Hkv * d->D;
     share(c, d->out, nq), share(c, d->dq, nq), share(c, d->dk, nkv), share(c, d->dv, nkv);
     float *got[4] = {d->out, d->dq, d->dk, d->dv}, *want[4] = {d->rout, d->rdq, d->rdk, d->rdv};
@@ -256,16 +269,18 @@ static void run_rank(const uly_comm *c, void *user) {
     st = max_over_ranks(c, err, 5);
     if (st.code) {
         fprintf(stderr, "demo: rank %d: comparing the errors: %s\n", c->rank, st.msg);
-        d->failed = 1;
+        rank_failed(d);
         return;
     }
-    int ok = err[0] == 0 && err[1] == 0 && err[2] <= 1e-5 && err[3] <= 1e-5;
+    const double tol = 4 * d->P * FLT_EPSILON; /* dk, dv: P fp32 shares summed in rank order */
+    int ok = err[0] == 0 && err[1] == 0 && err[2] <= tol && err[3] <= tol;
     if (c->rank == 0) {
         printf("reference (unsharded uly_cpu_attention, kv groups split over the ranks): %.3f s "
                "(slowest rank)\n", err[4]);
-        printf("max |SP - unsharded|: out %.3g%s, dq %.3g%s, dk %.3g, dv %.3g: %s\n", err[0],
+        printf("max |SP - unsharded| / max |unsharded|: out %.3g%s, dq %.3g%s, dk %.3g, dv %.3g "
+               "(<= %.2g): %s\n", err[0],
                err[0] == 0 ? " (bitwise)" : "", err[1], err[1] == 0 ? " (bitwise)" : "", err[2],
-               err[3], ok ? "ok" : "FAILED");
+               err[3], tol, ok ? "ok" : "FAILED");
     }
     if (!ok) d->failed = 1;
 }
