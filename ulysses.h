@@ -1321,25 +1321,28 @@ static uly_status uly__mpi_block(int64_t n, int64_t off, int64_t chunk, MPI_Data
    expect, or another chunk size. So bad counts or arguments on one rank fail every rank before
    a byte moves: none waits for a rank that returned, and no chunked message is left behind for
    the next call's receives to take. */
+typedef struct uly__mpi_claim {
+    int64_t bytes, chunk; /* what a rank sends a peer (-1: nothing, it failed), in what chunks */
+} uly__mpi_claim;
 static uly_status uly__mpi_agree(MPI_Comm comm, int P, uly_status mine, int64_t chunk,
                                  const int64_t *sc, const int64_t *rc) {
-    int64_t out[2 * ULY_MAX_SP], in[2 * ULY_MAX_SP]; /* a peer's count and chunk */
+    uly__mpi_claim out[ULY_MAX_SP], in[ULY_MAX_SP];
     uly_status st = mine;
     int failed;
-    for (int j = 0; j < P; j++) out[2 * j] = mine.code ? -1 : sc[j], out[2 * j + 1] = chunk;
+    for (int j = 0; j < P; j++) out[j].bytes = mine.code ? -1 : sc[j], out[j].chunk = chunk;
     ULY__TRY(uly__mpi(MPI_Alltoall(out, 2, MPI_INT64_T, in, 2, MPI_INT64_T, comm),
                       "MPI_Alltoall"));
     for (int i = 0; i < P && !st.code; i++) {
-        if (in[2 * i] < 0)
+        if (in[i].bytes < 0)
             st = uly__err(ULY_ECOMM, "alltoallv: rank %d failed (bad arguments) and sends nothing",
                           i);
-        else if (in[2 * i + 1] != chunk)
+        else if (in[i].chunk != chunk)
             st = uly__err(ULY_ECOMM, "alltoallv: rank %d sends messages of up to %lld bytes, this "
                           "rank of up to %lld: every rank must use the same chunk_bytes", i,
-                          ULY__LL(in[2 * i + 1]), ULY__LL(chunk));
-        else if (in[2 * i] != rc[i])
+                          ULY__LL(in[i].chunk), ULY__LL(chunk));
+        else if (in[i].bytes != rc[i])
             st = uly__err(ULY_ECOMM, "alltoallv: rank %d sends %lld bytes to this rank, which "
-                          "expects %lld", i, ULY__LL(in[2 * i]), ULY__LL(rc[i]));
+                          "expects %lld", i, ULY__LL(in[i].bytes), ULY__LL(rc[i]));
     }
     failed = st.code != 0;
     ULY__TRY(uly__mpi(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_SUM, comm),
