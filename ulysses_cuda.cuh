@@ -673,11 +673,15 @@ static uly__boxes uly__boxes_of(const uly_plan *p, uly_xchg x, int unpack, uly_t
 }
 
 /* The widest access, 16, 8 or 4 bytes (else one element), that divides every address a thread
-   forms: block offsets are multiples of a row's D elements, so the pointers, strides and D say
-   it. bf16 rows of D = 4 or 6 still move 8 or 4 bytes at a time, not 2. */
-static int64_t uly__access_bytes(const uly__boxes &b, int64_t elem) {
-    uint64_t bits = (uint64_t)(uintptr_t)b.t | (uint64_t)(uintptr_t)b.buf;
-    bits |= (uint64_t)((b.sb | b.ss | b.sh | b.dim) * elem);
+   forms in t and buf: block offsets are multiples of a row's D elements, so the pointers, t's
+   strides and D say it. A dim of extent 1 is only ever at index 0, so its stride forms no
+   address: one batch row, or one token a rank (decode-style), may have any stride there. bf16
+   rows of D = 4 or 6 still move 8 or 4 bytes at a time, not 2. */
+static int64_t uly__access_bytes(const uly_tensor &t, const void *buf) {
+    const int64_t elem = uly_dtype_size(t.dtype);
+    const int64_t steps = (t.b > 1 ? t.sb : 0) | (t.s > 1 ? t.ss : 0) | (t.h > 1 ? t.sh : 0);
+    uint64_t bits = (uint64_t)(uintptr_t)t.data | (uint64_t)(uintptr_t)buf;
+    bits |= (uint64_t)((steps | t.d) * elem);
     int64_t w = 16;
     while (w > elem && bits % (uint64_t)w) w /= 2;
     return uly__max(w, elem);
@@ -700,10 +704,12 @@ template <typename T> static uly__box_fn uly__box_kernel_of(int64_t bytes, int m
     }
 }
 
+/* The copy of boxes b, `bytes` an access (uly__access_bytes). */
 template <typename T>
-static uly_status uly__launch_boxes(const uly__boxes &b, int unpack, cudaStream_t s) {
+static uly_status uly__launch_boxes(const uly__boxes &b, int64_t bytes, int unpack,
+                                    cudaStream_t s) {
     if (!b.cols) return uly__ok();
-    const int64_t bytes = uly__access_bytes(b, sizeof(T)), w = bytes / (int64_t)sizeof(T);
+    const int64_t w = bytes / (int64_t)sizeof(T);
     int64_t most = 0; /* accesses in the largest box a column copies */
     for (int c = 0; c < b.cols; c++)
         most = uly__max(most, b.batch * b.width * b.count[b.box[c]] * b.dim / w);
@@ -720,8 +726,9 @@ static uly_status uly__cuda_xfer(const uly_plan *p, uly_xchg x, int unpack, uly_
                                  void *buf, void *stream) {
     ULY__TRY(uly__check_move(p, x, !unpack, t, buf));
     const uly__boxes b = uly__boxes_of(p, x, unpack, t, buf);
+    const int64_t bytes = uly__access_bytes(t, buf);
     return uly__by_dtype(t.dtype, [&](auto tag) {
-        return uly__launch_boxes<decltype(tag)>(b, unpack, (cudaStream_t)stream);
+        return uly__launch_boxes<decltype(tag)>(b, bytes, unpack, (cudaStream_t)stream);
     });
 }
 

@@ -837,6 +837,25 @@ TEST(padded_head_strides_take_the_accesses_they_allow) {
             }
 }
 
+/* A dim of extent 1 is only ever at index 0, so its stride narrows no access. P = 2, B = 1,
+   S = 2, H = Hkv = 2: the sequence side is [1, 1, 2, 16] (one token a rank, decode-style), the
+   head side [1, 2, 1, 16] (one head a rank). An odd sb, ss or sh (heads 17 apart with tokens 16
+   apart: pad_ss -1) leaves 16-byte accesses where its dim has extent 1, element ones elsewhere. */
+TEST(strides_of_dims_of_extent_1_leave_the_accesses_wide) {
+    const lcase c = {2, 1, 2, 2, 2, 16};
+    for (int r = 0; r < c.P; r++)
+        for (int t = 0; t < 3; t++)
+            for (int x = ULY_X_Q; x <= ULY_X_DKV; x++)
+                for (int unpack = 0; unpack < 2; unpack++) {
+                    const int seq = (x == ULY_X_Q || x == ULY_X_KV) != unpack;
+                    const int es = (int)uly_dtype_size(dtypes[t]);
+                    const uly_xchg xc = (uly_xchg)x;
+                    check_padded(&c, r, dtypes[t], xc, unpack, 1, 0, 0, 0, 16);
+                    check_padded(&c, r, dtypes[t], xc, unpack, 0, 1, 0, 0, seq ? 16 : es);
+                    check_padded(&c, r, dtypes[t], xc, unpack, 0, -1, 0, 1, seq ? es : 16);
+                }
+}
+
 /* The grid of boxes_larger_than_the_grid is at most ULY__COPY_BLOCKS blocks in all (columns
    share them), so the threads there do stride over their boxes. */
 TEST(the_grid_shares_its_blocks_among_the_columns) {
