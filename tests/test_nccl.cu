@@ -410,6 +410,20 @@ TEST(an_older_nccl_at_run_time_gives_no_alltoall) {
     CHECK(a == 0 && s > 0, "%llu ncclAlltoAll, %llu ncclSend; want 0, > 0", a, s);
     uly_emu_nccl_version(version);
 }
+
+/* The first library that has ncclAlltoAll, 2.28.0 itself, is used through it: the run-time
+   version check includes its bound. */
+TEST(nccl_2_28_0_at_run_time_gives_alltoall) {
+    int version = 0;
+    ncclGetVersion(&version);
+    uly_emu_nccl_version(NCCL_VERSION(2, 28, 0));
+    uly_comm c;
+    memset(&c, 0, sizeof c);
+    const uly_status st = nccl_run(1, comm_main, &c);
+    CHECK(!st.code && c.alltoallv && c.alltoall, "'%s'; alltoallv %p, alltoall %p; want both set",
+          st.msg, (void *)c.alltoallv, (void *)c.alltoall);
+    uly_emu_nccl_version(version);
+}
 #else
 TEST(without_ncclAlltoAll_the_communicator_has_no_alltoall) { check_no_alltoall(); }
 #endif
