@@ -1270,6 +1270,36 @@ TEST(nonblocking_call_that_never_completes_is_ecomm_after_the_timeout) {
     CHECK(!j.st[1].code, "rank 1: '%s'", j.st[1].msg);
 }
 
+/* A collective whose peer comes late keeps its stream busy after the call has returned (on a
+   GPU its kernel waits; for a peer that is gone, for ever). allreduce_sum of host memory then
+   copies the sum back to pageable memory, a copy that waits for the stream with no time limit,
+   so it waits for the stream first, under uly_nccl.timeout_s: on rank 0, whose collective keeps
+   the stream busy for 1 s, a blocking communicator with a 0.05 s timeout gives ULY_ECOMM. */
+typedef struct late_job {
+    uly_status st[2];
+    double waited[2];
+} late_job;
+
+static void late_main(const uly_comm *c, void *user) {
+    late_job *j = (late_job *)user;
+    double x = 1;
+    if (c->rank == 0) uly_emu_nccl_late(nccl_of(c), 1000);
+    const double t0 = seconds();
+    j->st[c->rank] = c->allreduce_sum(c->ctx, &x, 1, NULL);
+    j->waited[c->rank] = seconds() - t0;
+}
+
+TEST(host_memory_sum_behind_a_late_collective_is_ecomm_after_the_timeout) {
+    late_job j;
+    memset(&j, 0, sizeof j);
+    const uly_status st = nccl_run_timed(2, late_main, &j, 0.05);
+    CHECK(!st.code, "%s", st.msg);
+    CHECK(j.st[0].code == ULY_ECOMM && strstr(j.st[0].msg, "the stream is not done after") &&
+              j.waited[0] < 0.8,
+          "rank 0: '%s' after %.3f s", j.st[0].msg, j.waited[0]);
+    CHECK(!j.st[1].code, "rank 1: '%s'", j.st[1].msg);
+}
+
 /* The caller's own call on a non-blocking communicator answers ncclInProgress until NCCL's
    thread has queued its work, so an idle stream is not yet done: uly_nccl_wait returns once
    NCCL answers success. When the call never completes on rank 0 (stall: a peer that never

@@ -49,8 +49,8 @@
 // communicator's work from a thread of its own, whose per-thread stream is not the caller's.
 //
 // Not modeled: the network and topology (algorithms, channels, timing), a collective still
-// running after its call returns, several ranks on one thread, and failures other than the ones
-// the test hooks inject.
+// running after its call returns (but for the busy stream of uly_emu_nccl_late), several ranks
+// on one thread, and failures other than the ones the test hooks inject.
 #include "cuda_emu.h"
 #include <nccl.h>
 
@@ -152,6 +152,7 @@ struct ncclComm {
     bool nonblocking = false;
     int pending = 0;      // polls that still answer ncclInProgress; -1: every poll
     bool stalls = false;  // uly_emu_nccl_stall: the next call stays in progress
+    long late_ms = 0;     // uly_emu_nccl_late: the next collective's stream stays busy so long
 };
 
 namespace {
@@ -320,6 +321,23 @@ ncclResult_t progress(ncclComm *comm, ncclResult_t r) {
     std::lock_guard<std::mutex> lock(m);
     comm->pending = comm->stalls ? -1 : 2;
     return ncclInProgress;
+}
+
+// The answer r of a collective queued on stream, after which the stream stays busy for the
+// milliseconds uly_emu_nccl_late set, as a GPU's collective kernel waits for a late peer.
+ncclResult_t late(ncclComm *comm, cudaStream_t stream, ncclResult_t r) {
+    long ms;
+    {
+        std::lock_guard<std::mutex> lock(m);
+        ms = comm->late_ms;
+        comm->late_ms = 0;
+    }
+    if (ms > 0)
+        uly_emu_queue(stream, [ms] {
+            const struct timespec t = {ms / 1000, ms % 1000 * 1000000L};
+            nanosleep(&t, NULL);
+        });
+    return r;
 }
 
 // A non-blocking communicator's work starts on NCCL's thread, where cudaStreamPerThread is that
@@ -710,8 +728,9 @@ ncclResult_t ncclAlltoAll(const void *send, void *recv, size_t count, ncclDataTy
     if (count && (!send || !recv))
         return error(ncclInvalidArgument, "ncclAlltoAll: a buffer is NULL");
     if (ncclResult_t r = on_stream("ncclAlltoAll", comm, stream)) return r;
-    return progress(comm, collective(comm, Arg{"ncclAlltoAll", send, recv, count, type, 0, 0,
-                                               nullptr}, all_to_all));
+    return late(comm, stream,
+                progress(comm, collective(comm, Arg{"ncclAlltoAll", send, recv, count, type, 0,
+                                                    0, nullptr}, all_to_all)));
 }
 #endif
 
@@ -725,8 +744,9 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
     if (count && (!send || !recv))
         return error(ncclInvalidArgument, "ncclAllReduce: a buffer is NULL");
     if (ncclResult_t r = on_stream("ncclAllReduce", comm, stream)) return r;
-    return progress(comm, collective(comm, Arg{"ncclAllReduce", send, recv, count, type, 0, 0,
-                                               nullptr}, all_reduce));
+    return late(comm, stream,
+                progress(comm, collective(comm, Arg{"ncclAllReduce", send, recv, count, type, 0,
+                                                    0, nullptr}, all_reduce)));
 }
 
 // =============================================================================================
@@ -749,6 +769,11 @@ void uly_emu_nccl_async_error(ncclComm_t comm, ncclResult_t r, const char *msg) 
 void uly_emu_nccl_stall(ncclComm_t comm) {
     std::lock_guard<std::mutex> lock(m);
     comm->stalls = true;
+}
+
+void uly_emu_nccl_late(ncclComm_t comm, long ms) {
+    std::lock_guard<std::mutex> lock(m);
+    comm->late_ms = ms;
 }
 
 bool uly_emu_nccl_aborted(ncclComm_t comm) {

@@ -18,6 +18,10 @@ void uly_emu_nccl_async_error(ncclComm_t comm, ncclResult_t r, const char *msg);
 // stays in progress, as when a peer never arrives.
 void uly_emu_nccl_stall(ncclComm_t comm);
 
+// The next ncclAllReduce or ncclAlltoAll on comm keeps its stream busy for ms milliseconds after
+// it has moved the data, as a GPU's collective kernel waits for a peer that comes late.
+void uly_emu_nccl_late(ncclComm_t comm, long ms);
+
 // Whether ncclCommAbort was called on comm. The double keeps every communicator it made, so this
 // may ask about an aborted one; any NCCL call on it aborts the test instead.
 bool uly_emu_nccl_aborted(ncclComm_t comm);
