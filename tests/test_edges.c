@@ -36,6 +36,47 @@ TEST(a_plan_whose_dp_rank_was_edited_is_refused) {
     p.dp_rank = 5;
     CHECK(uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]).code == ULY_EINVAL, "accepted");
 }
+/* The other fields uly_plan_init derives: an edited one would size and index every buffer
+   by another rank's tokens, another GQA group or another element size. */
+TEST(a_plan_whose_sp_rank_group_or_elem_size_was_edited_is_refused) {
+    static const char *const what[3] = {"sp_rank 0 -> 1", "group 2 -> 1", "elem_size 2 -> 4"};
+    for (int edit = 0; edit < 3; edit++) {
+        uly_status st;
+        uly_plan p = plan_of(2, 0, 1, 8, 4, 2, 4, ULY_BF16, 0, &st);
+        int64_t c[4][ULY_MAX_SP];
+        if (edit == 0) p.sp_rank = 1;
+        else if (edit == 1) p.group = 1;
+        else p.elem_size = 4;
+        CHECK(!st.code && uly_exchange_counts(&p, ULY_X_KV, c[0], c[1], c[2], c[3]).code ==
+                              ULY_EINVAL && uly_saved_bytes(&p) == 0 &&
+                  uly_kv_heads(&p, 0).count == 0,
+              "%s accepted", what[edit]);
+    }
+}
+/* A shape that overflows is refused on every rank of the world, in every DP group: world 4 =
+   2 SP groups of 2; fused 2e17 x 9 x 4 bytes fits int64, the workspace does not. */
+TEST(plan_init_refuses_an_overflowing_shape_in_every_dp_group_alike) {
+    for (int r = 0; r < 4; r++) {
+        uly_plan_desc d = {.world_size = 4, .rank = r, .sp_size = 2, .batch = 1,
+                           .seq_len = 200000000000000000, .n_heads = 3, .head_dim = 1};
+        uly_plan p;
+        uly_status st = uly_plan_init(&p, &d);
+        CHECK(st.code == ULY_EOVERFLOW, "rank %d (dp %d): %s", r, r / 2,
+              st.code ? st.msg : "accepted");
+    }
+}
+/* A plan filled in by hand, desc and made alike, whose fused buffer overflows int64. */
+TEST(a_plan_never_made_whose_buffers_overflow_is_refused) {
+    uly_plan p;
+    int64_t c[4][ULY_MAX_SP];
+    memset(&p, 0, sizeof p);
+    p.desc.world_size = p.desc.sp_size = 1, p.desc.batch = 1, p.desc.seq_len = (int64_t)1 << 60;
+    p.desc.n_heads = p.desc.n_kv_heads = 1, p.desc.head_dim = 16, p.desc.dtype = ULY_F32;
+    p.made = p.desc, p.group = 1, p.elem_size = 4;
+    CHECK(uly_exchange_counts(&p, ULY_X_Q, c[0], c[1], c[2], c[3]).code == ULY_EINVAL &&
+              uly_saved_bytes(&p) == 0 && uly_tokens(&p, 0).count == 0,
+          "S 2^60, D 16 accepted");
+}
 TEST(max_bytes_is_checked_against_rank_0s_block_when_S_and_H_are_uneven) {
     /* P 2, S 5, H 3: rank 0 has 3 tokens and 2 heads: 3 x 2 x D 4 x 4 bytes = 96 */
     uly_status st;
@@ -215,6 +256,74 @@ TEST(a_forward_attention_gets_no_gradient_views) {
     uly_local_run(1, b1_forward, &st);
     CHECK(!st.code && !fwd_saw_grads, "%s: gradient views %s", st.msg,
           fwd_saw_grads ? "set" : "zero");
+}
+
+/* The optional alltoall carries each exchange whose blocks all have one size on every rank,
+   and only those. P 3, S 6, H 6 (2 tokens, 2 query heads a rank): Q and O always; with Hkv 3
+   (g 2) every rank needs 1 kv head, so KV and DKV too; with Hkv 2 (g 3) ranks need 1, 2, 1
+   kv heads (query heads 2, 3 read kv heads 0, 1), so K, V, dK, dV go by alltoallv. Per rank,
+   forward and backward: 8 calls, or 4. The wrapper moves alltoall's blocks with the local
+   alltoallv, so a wrong choice also moves wrong bytes. */
+typedef struct a2a_wrap {
+    const uly_comm *inner;
+    int calls;
+} a2a_wrap;
+static uly_status wrap_a2av(void *ctx, const void *s, const int64_t *sc, const int64_t *so,
+                            void *r, const int64_t *rc, const int64_t *ro, void *stream) {
+    const uly_comm *in = ((a2a_wrap *)ctx)->inner;
+    return in->alltoallv(in->ctx, s, sc, so, r, rc, ro, stream);
+}
+static uly_status wrap_a2a(void *ctx, const void *s, void *r, int64_t bytes, void *stream) {
+    a2a_wrap *w = (a2a_wrap *)ctx;
+    int64_t n[ULY_MAX_SP], at[ULY_MAX_SP];
+    w->calls++;
+    for (int j = 0; j < w->inner->size; j++) n[j] = bytes, at[j] = j * bytes;
+    return wrap_a2av(ctx, s, n, at, r, n, at, stream);
+}
+typedef struct a2a_job {
+    int64_t Hkv;
+    int calls[3];
+    uly_status st[3];
+} a2a_job;
+static void a2a_rank(const uly_comm *c, void *user) {
+    a2a_job *job = (a2a_job *)user;
+    const int64_t B = 1, Sr = 2, H = 6, Hkv = job->Hkv, D = 4;
+    uly_status st;
+    uly_plan p = plan_of(3, c->rank, B, 3 * Sr, H, Hkv, D, ULY_F32, 0, &st);
+    a2a_wrap w = {c, 0};
+    uly_comm comm = *c;
+    comm.ctx = &w, comm.alltoallv = wrap_a2av, comm.alltoall = wrap_a2a;
+    uly_layer L;
+    memset(&L, 0, sizeof L);
+    L.plan = &p, L.comm = &comm, L.attn = uly_cpu_attention(), L.layout = uly_cpu_layout();
+    L.causal = 1;
+    L.workspace_bytes = uly_layer_workspace(&L);
+    L.workspace = malloc((size_t)L.workspace_bytes);
+    const int64_t ns = uly_saved_bytes(&p);
+    void *saved = malloc((size_t)ns);
+    float *buf[8]; /* q, k, v, out, dout, dq, dk, dv: zeros, each room for [B, Sr, H, D] */
+    for (int i = 0; i < 8; i++) buf[i] = (float *)calloc((size_t)(B * Sr * H * D), sizeof(float));
+    uly_tensor t[8];
+    for (int i = 0; i < 8; i++)
+        t[i] = uly_dense(buf[i], ULY_F32, B, Sr, i == 1 || i == 2 || i >= 6 ? Hkv : H, D);
+    uly_tensor q = t[0], k = t[1], v = t[2], o = t[3], dout = t[4], dq = t[5], dk = t[6], dv = t[7];
+    if (!st.code) st = uly_forward(&L, q, k, v, o, saved, ns);
+    if (!st.code) st = uly_backward(&L, dout, saved, ns, dq, dk, dv);
+    job->st[c->rank] = st, job->calls[c->rank] = w.calls;
+    for (int i = 0; i < 8; i++) free(buf[i]);
+    free(saved), free(L.workspace);
+}
+TEST(alltoall_carries_exactly_the_exchanges_whose_blocks_are_uniform_kv_ones_included) {
+    for (int64_t Hkv = 2; Hkv <= 3; Hkv++) {
+        a2a_job job;
+        memset(&job, 0, sizeof job);
+        job.Hkv = Hkv;
+        uly_local_run(3, a2a_rank, &job);
+        for (int r = 0; r < 3; r++)
+            CHECK(!job.st[r].code && job.calls[r] == (Hkv == 3 ? 8 : 4),
+                  "Hkv %lld rank %d: %s; alltoall called %d times, want %d", (long long)Hkv, r,
+                  job.st[r].msg, job.calls[r], Hkv == 3 ? 8 : 4);
+    }
 }
 
 /* ---- attention ---- */
