@@ -385,6 +385,23 @@ TEST(alltoallv_reports_a_failed_request_by_its_own_error) {
     free(send), free(recv);
 }
 
+/* chunk_bytes is at most INT_MAX: MPI's counts are ints, and a larger chunk would let a block
+   of more than INT_MAX bytes reach MPI as a truncated int count. */
+TEST(mpi_comm_refuses_chunk_bytes_beyond_INT_MAX_or_negative) {
+    static const int64_t bad[2] = {(int64_t)INT_MAX + 1, -1};
+    for (int i = 0; i < 2; i++) {
+        uly_mpi m = {MPI_COMM_WORLD, bad[i]};
+        uly_comm c;
+        uly_status st = uly_mpi_comm(&m, &c);
+        ALL_CHECK(st.code == ULY_EINVAL && strstr(st.msg, "chunk_bytes"), "chunk_bytes %lld: %s",
+                  (long long)bad[i], st.code ? st.msg : "accepted");
+    }
+    uly_mpi m = {MPI_COMM_WORLD, INT_MAX};
+    uly_comm c;
+    uly_status st = uly_mpi_comm(&m, &c);
+    ALL_CHECK(st.code == ULY_OK, "chunk_bytes INT_MAX: %s", st.msg);
+}
+
 /* An intercommunicator (two groups: ranks 0, 1 and ranks 2, 3) is refused, by uly_mpi_comm and
    by uly_mpi_split: its sizes and collectives are the other group's. */
 TEST(mpi_comm_and_split_refuse_an_intercommunicator) {
