@@ -119,7 +119,8 @@ extern "C" {
 /* Pack and unpack kernels, launched on the stream argument (a cudaStream_t). The tensor's and
    the exchange buffer's addresses must be multiples of the element size. Accesses are 16 bytes
    where both addresses, the strides and the rows (D * element size) are multiples of 16, else
-   8 or 4 bytes where those are, else one element. ctx is unused. */
+   8 or 4 bytes where those are, else one element; the stride of a dim of extent 1 does not
+   count. ctx is unused. */
 ULYDEF uly_layout uly_cuda_layout(void);
 
 /* Runs fn(comm, user) on `size` threads, one per virtual rank of an SP group on the calling
