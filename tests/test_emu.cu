@@ -289,6 +289,68 @@ TEST(ldmatrix_x1_trans_lane_layout) { ldmatrix_layout<1, true>(); }
 TEST(ldmatrix_x2_trans_lane_layout) { ldmatrix_layout<2, true>(); }
 TEST(ldmatrix_x4_trans_lane_layout) { ldmatrix_layout<4, true>(); }
 
+// ---------------------------------------------------------------------------------------------
+// ldmatrix from sm_80 on reads only the addresses of lanes 0..8N-1: the PTX ISA requires valid
+// addresses in every lane for sm_75 and below only ("For .num = .x1 and .num = .x2, addresses
+// contained in lower threads can be copied to higher threads"). Here lanes 8N.. pass an address
+// 2 bytes off the 16-byte alignment a row needs, which must be ignored, not reported.
+template <int N> __global__ void ldmatrix_unused_lanes(const uint16_t *mats, uint32_t *out) {
+    ULY_DYN_SMEM(uint16_t, smem);
+    for (int e = threadIdx.x; e < N * 64; e += 32) smem[e] = mats[e];
+    __syncthreads();
+    const int lane = threadIdx.x;
+    uint32_t r[N];
+    uly_ldmatrix<N, false>(r, uly_smem_addr(smem + (lane < 8 * N ? lane * 8 : 1)));
+    for (int i = 0; i < N; i++) out[lane * N + i] = r[i];
+}
+
+template <int N> static void ldmatrix_ignores_unused_lanes() {
+    std::vector<uint16_t> mats(N * 64);
+    for (int e = 0; e < N * 64; e++) mats[e] = (uint16_t)(0x1000 + e);
+    uint16_t *dm = upload(mats);
+    uint32_t *out = device_zeros<uint32_t>(32 * N);
+    ULY_LAUNCH(ldmatrix_unused_lanes<N>, 1, 32, N * 128, 0, dm, out);
+    CHECK(launch_error() == cudaSuccess, "x%d: the addresses of lanes %d.. were not ignored", N,
+          8 * N);
+    std::vector<uint32_t> h = download(out, 32 * N);
+    for (int t = 0; t < 32; t++)
+        for (int i = 0; i < N; i++)
+            for (int half = 0; half < 2; half++) {
+                uint16_t want = mats[i * 64 + (t / 4) * 8 + 2 * (t % 4) + half];
+                uint16_t got = (uint16_t)(h[t * N + i] >> (16 * half));
+                CHECK(got == want, "x%d lane %d register %d half %d: 0x%04x, want 0x%04x", N, t,
+                      i, half, got, want);
+            }
+    cudaFree(dm), cudaFree(out);
+}
+
+TEST(ldmatrix_x1_x2_ignore_the_addresses_of_unused_lanes) {
+    ldmatrix_ignores_unused_lanes<1>();
+    ldmatrix_ignores_unused_lanes<2>();
+}
+
+// cp.async reads only src-size bytes of the source (PTX ISA, cp.async: "the remaining cp-size -
+// src-size bytes ... are filled with zeros"): a 16-byte copy of a 4-byte allocation, whose other
+// 12 bytes are not the source's to read (the AddressSanitizer build reports a read past them).
+__global__ void cp_async_short_source(const uint32_t *src, uint32_t *out) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    if (threadIdx.x == 0) uly_cp_async<16>(uly_smem_addr(smem), src, 4);
+    uly_cp_async_wait_all();
+    if (threadIdx.x == 0)
+        for (int i = 0; i < 4; i++) out[i] = smem[i];
+}
+
+TEST(cp_async_reads_only_src_size_bytes) {
+    uint32_t *src = upload(std::vector<uint32_t>{0x12345678u});
+    uint32_t *out = device_zeros<uint32_t>(4);
+    ULY_LAUNCH(cp_async_short_source, 1, 32, 16, 0, src, out);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<uint32_t> h = download(out, 4);
+    CHECK(h[0] == 0x12345678u && h[1] == 0 && h[2] == 0 && h[3] == 0, "0x%x 0x%x 0x%x 0x%x",
+          h[0], h[1], h[2], h[3]);
+    cudaFree(src), cudaFree(out);
+}
+
 #ifdef ULY_EMU
 // The emulator's count of ldmatrix bank conflicts (tests/test_flash.cu holds the kernels to it)
 // against the bank rule applied by hand: lane l gives row address l * stride.
@@ -1702,6 +1764,124 @@ TEST(device_sync_and_the_legacy_stream_wait_for_other_streams) {
           "legacy launch: x = %d, want 2 * 10", download(x, 1)[0]);
     cudaFree(x);
     cudaStreamDestroy(s);
+}
+
+// The emulator's mma model (cuda_emu.cpp, complete_mma): the products are exact and are summed
+// with C exactly, then rounded once to float. The PTX ISA leaves the accumulation's internal
+// precision to the hardware, so this checks the emulator's stated model, not a GPU. D(0,0): C = 1
+// plus sixteen products 2^-25 is 1 + 2^-21, a float, where float additions one at a time lose
+// every product (each under half an ulp of 1). D(1,1): C = -1 plus the products 1, 2^-24 and
+// 2^-40 is 2^-24 + 2^-40, a float, where rounding the products' sum before adding C gives 2^-23.
+// 2^-20 is subnormal in fp16, and still exact.
+template <typename T> static void mma_rounds_once() {
+    MmaCase mc;
+    mc.add("one rounding");
+    for (int i = 0; i < MMA_K; i++) mc.a(0, i) = 0x1p-12f, mc.b(i, 0) = 0x1p-13f;
+    mc.c(0, 0) = 1.f;
+    mc.a(1, 0) = mc.b(0, 1) = 1.f;
+    mc.a(1, 1) = mc.b(1, 1) = 0x1p-12f;
+    mc.a(1, 2) = mc.b(2, 1) = 0x1p-20f;
+    mc.c(1, 1) = -1.f;
+    float *A = upload(mc.A), *B = upload(mc.B), *C = upload(mc.C);
+    float *D = device_zeros<float>(128);
+    ULY_LAUNCH(mma_probe<T>, 1, 32, 0, 0, A, B, C, D);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<float> d = download(D, 128);
+    CHECK(d[0] == 1.f + 0x1p-21f, "D(0,0) = %a, want %a", (double)d[0], 0x1p0 + 0x1p-21);
+    CHECK(d[9] == 0x1p-24f + 0x1p-40f, "D(1,1) = %a, want %a", (double)d[9], 0x1p-24 + 0x1p-40);
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 8; n++) {
+            double exact = mc.C[m * 8 + n];  // every sum here is exact in double
+            for (int i = 0; i < MMA_K; i++)
+                exact += (double)mc.A[m * MMA_K + i] * mc.B[i * 8 + n];
+            CHECK(d[m * 8 + n] == (float)exact, "D(%d,%d) = %a, want %a", m, n,
+                  (double)d[m * 8 + n], (double)(float)exact);
+        }
+    cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(D);
+}
+
+TEST(mma_rounds_the_exact_sum_once_under_the_emulator) {
+    mma_rounds_once<__nv_bfloat16>();
+    mma_rounds_once<__half>();
+}
+
+// Dynamic shared memory starts as garbage in every block (CUDA leaves it uninitialized): the
+// emulator fills it with poison (all ones) at each block's start, so a kernel that reads what it
+// never wrote, or what an earlier block left, shows. Many more blocks than OS threads: the arena
+// is reused.
+__global__ void read_before_write(uint32_t *seen) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    const int t = threadIdx.x;
+    seen[blockIdx.x * 64 + t] = smem[t] & smem[32 + t];
+    __syncthreads();
+    smem[t] = smem[32 + t] = blockIdx.x;
+}
+
+TEST(dynamic_shared_memory_starts_poisoned_in_every_block) {
+    const int blocks = 256;
+    uint32_t *seen = device_zeros<uint32_t>(blocks * 64);
+    ULY_LAUNCH(read_before_write, blocks, 32, 64 * 4, 0, seen);
+    CHECK(launch_error() == cudaSuccess, "launch failed");
+    std::vector<uint32_t> h = download(seen, blocks * 64);
+    int bad = 0;
+    for (int b = 0; b < blocks; b++)
+        for (int t = 0; t < 32; t++)
+            if (h[b * 64 + t] != 0xffffffffu && bad++ < 4)
+                CHECK(false, "block %d thread %d read 0x%x before writing, want poison", b, t,
+                      h[b * 64 + t]);
+    CHECK(bad == 0, "%d reads of unwritten shared memory were not poison", bad);
+    cudaFree(seen);
+}
+
+// cudaStreamWaitEvent waits for the event's most recent record before the call only: "The stream
+// will wait only for the completion of the most recent host call to cudaEventRecord() on event.
+// Once this call has returned, any functions (including cudaEventRecord() ...) may be called on
+// event again, and the subsequent calls will not have any effect on stream" (CUDA Runtime API).
+// And cudaEventElapsedTime answers cudaErrorNotReady while a record of either event has not
+// completed, even when an earlier record of it has.
+TEST(a_stream_waits_for_the_record_before_its_wait_only) {
+    cudaStream_t a, b;
+    cudaEvent_t e;
+    cudaStreamCreate(&a), cudaStreamCreate(&b), cudaEventCreate(&e);
+    int *x = device_zeros<int>(1), *y = device_zeros<int>(1);
+    // First: while the record is not reached, b stays behind its wait however long it is given
+    // (the sleep gives a b that ignored the wait time to run; the stall decides the outcome).
+    uly_emu_stall_stream(a, true);
+    ULY_LAUNCH(scale_add, 1, 1, 0, a, x, 1, 5);
+    cudaEventRecord(e, a);
+    cudaStreamWaitEvent(b, e, 0);
+    cudaMemcpyAsync(y, x, sizeof(int), cudaMemcpyDeviceToDevice, b);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK(not_ready(cudaStreamQuery(b)), "b went past its wait for an unreached record");
+    uly_emu_stall_stream(a, false);
+    CHECK(cudaStreamSynchronize(b) == cudaSuccess && peek(y) == 5, "after the record: y = %d",
+          peek(y));
+    // Then: a record asked after the wait is not waited for.
+    uly_emu_stall_stream(b, true);  // b runs its wait only after the second record is asked
+    cudaStreamWaitEvent(b, e, 0);
+    cudaMemcpyAsync(y, x, sizeof(int), cudaMemcpyDeviceToDevice, b);
+    uly_emu_stall_stream(a, true);
+    ULY_LAUNCH(scale_add, 1, 1, 0, a, x, 1, 2);
+    cudaEventRecord(e, a);  // not reached while a is stalled
+    float ms;
+    CHECK(not_ready(cudaEventElapsedTime(&ms, e, e)), "a record not reached counts as complete");
+    uly_emu_stall_stream(b, false);
+    cudaError_t q = cudaErrorNotReady;
+    for (int i = 0; i < 200 && q == cudaErrorNotReady; i++) {
+        q = cudaStreamQuery(b);
+        if (q == cudaErrorNotReady) {
+            cudaGetLastError();
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+    }
+    CHECK(q == cudaSuccess && peek(y) == 5, "b waited for the record after its wait: y = %d",
+          peek(y));
+    uly_emu_stall_stream(a, false);
+    CHECK(cudaStreamSynchronize(a) == cudaSuccess && cudaStreamSynchronize(b) == cudaSuccess &&
+              peek(x) == 7,
+          "x = %d", peek(x));
+    cudaFree(x), cudaFree(y);
+    cudaEventDestroy(e), cudaStreamDestroy(a), cudaStreamDestroy(b);
 }
 
 TEST(device_properties_are_an_h100) {
