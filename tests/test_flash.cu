@@ -1146,6 +1146,34 @@ TEST(varlen_rejects_a_negative_max_seqlen) {
     cudaFree(cu);
 }
 
+/* Varlen grids are sized from max_seqlen_q (query blocks, row passes) and max_seqlen_k (the
+   dK/dV kernel's key blocks), which varlen_documents cannot tell apart: its longest documents
+   (150 queries, 130 keys) take as many blocks of 64 and 128 either way. Here the longest key
+   document (300 keys: 3 key blocks of 128) is 15 times the longest query document (20 rows:
+   one block), and then the other way round, so a grid sized from the other count leaves dK, dV
+   (or o, lse, dq) rows unwritten. Both against the fp64 reference. */
+TEST(varlen_grids_take_each_max_seqlen) {
+    const struct {
+        std::vector<int> cq, ck;
+        int64_t D;
+        uly_dtype dt;
+        int causal, deterministic;
+    } runs[] = {{{0, 10, 30}, {0, 300, 310}, 64, ULY_BF16, 0, 0},
+                {{0, 10, 30}, {0, 300, 310}, 128, ULY_F16, 1, 1},
+                {{0, 300, 310}, {0, 10, 30}, 64, ULY_BF16, 1, 0}};
+    for (const auto &x : runs) {
+        fcase c = make_case({1, x.cq.back(), x.ck.back(), 2, 1, x.causal}, x.D, x.dt);
+        c.deterministic = x.deterministic;
+        const inputs in = make_inputs(c, x.cq.back(), x.ck.back());
+        const run_out got = run_attn(c, x.cq, x.ck, true, in, uly_flash_attention());
+        if (!got.ok) continue;
+        check_outputs(c, got, reference(c, x.cq, x.ck, true, in, false),
+                      reference(c, x.cq, x.ck, true, in, true), NULL);
+        CHECK(nonfinite_outputs(got) == 0, "%s: %d outputs are NaN or inf", describe(c).c_str(),
+              nonfinite_outputs(got));
+    }
+}
+
 int main(void) {
 #ifdef ULY_EMU
     /* Twice as many emulator threads as hardware threads (at least 4), unless the caller chose;
