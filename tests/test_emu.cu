@@ -1125,6 +1125,34 @@ TEST(cp_async_wait_group_counts_groups_across_rounds) {
 }
 
 #ifdef ULY_EMU
+// A store to the destination of a copy still in flight races with the copy, which may land
+// after it (the wait missing before a tile is reused): the launch fails, whether a later wait
+// completes the copy or none does. (Caught where the store comes before the copy lands: a store
+// by another thread, unordered with the wait, would be caught in some schedules only.)
+__global__ void store_over_a_copy_in_flight(const uint32_t *src, int wait) {
+    ULY_DYN_SMEM(uint32_t, smem);
+    const int t = threadIdx.x;
+    uly_cp_async<4>(uly_smem_addr(smem + t), src + t, 4);
+    uly_cp_async_commit();
+    if (t == 7) smem[t] = 0;
+    if (wait) uly_cp_async_wait_all();
+}
+
+TEST(a_store_over_a_copy_in_flight_is_reported) {
+    uint32_t *src = upload(numbered(32, 0x4000u));
+    uly_emu_set_quiet(true);
+    for (int wait = 0; wait < 2; wait++) {
+        ULY_LAUNCH(store_over_a_copy_in_flight, 1, 32, 128, 0, src, wait);
+        const std::string r = expect_failure(cudaErrorLaunchFailure);
+        CHECK(contains(r, "shared 0x1c..0x20, where a copy by thread 7 ") &&
+                  contains(r, "was written before a wait completed the copy") &&
+                  contains(r, wait ? "(found completing it)" : "(found at the end of the block)"),
+              "wait %d: report: %s", wait, r.c_str());
+    }
+    uly_emu_set_quiet(false);
+    cudaFree(src);
+}
+
 // Without the wait the destination still holds the poison; and a thread's wait completes only
 // its own copies, so thread 0, which never waits, leaves its row poisoned for everyone.
 __global__ void cp_async_without_wait(const uint32_t *src, uint32_t *seen) {

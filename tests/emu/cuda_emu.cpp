@@ -1100,6 +1100,20 @@ void init_block(Worker &w, Grid &grid, unsigned block) {
     w.ready_count = w.n;
 }
 
+// A copy in flight may land at any time before the wait that completes it, so a store to its
+// destination in between races with it (on a GPU the copy may land after the store, as when the
+// wait before a tile's reuse is missing): its bytes must still hold the issue's poison, which
+// only a store or another copy landing there changes. when: "completing it", or "at the end
+// of the block" for the copies never waited for.
+void check_in_flight(Worker &w, const Fiber &f, const Copy &c, const char *when) {
+    const unsigned char *d = w.smem + c.dst;
+    if (std::all_of(d, d + c.bytes, [](unsigned char x) { return x == 0xff; })) return;
+    fail(w, cudaErrorLaunchFailure, false,
+         "cp.async: shared 0x%x..0x%x, where a copy by %s is in flight, was written before a "
+         "wait completed the copy (found %s): the copy may land after that store",
+         c.dst, c.dst + c.bytes, who(f).c_str(), when);
+}
+
 void run_block(Worker &w, Grid &grid, unsigned block) {
     init_block(w, grid, block);
     w.sched_tsan = tsan_current();
@@ -1115,6 +1129,9 @@ void run_block(Worker &w, Grid &grid, unsigned block) {
             if (f.dirty) tsan_release_as(f.tsan, w.sched_tsan, &w.sync.end);
         }
     tsan_acquire(&w.sync.end);  // all the block did comes before the next block
+    for (unsigned i = 0; i < w.n && !w.failed; i++)  // the copies never waited for
+        for (size_t k = w.fibers[i].copies_done; k < w.fibers[i].copies.size() && !w.failed; k++)
+            check_in_flight(w, w.fibers[i], w.fibers[i].copies[k], "at the end of the block");
     total_switches += w.switches;
     w.switches = 0;
     w.grid = nullptr;
@@ -1617,6 +1634,7 @@ void uly_emu_cp_async_wait(int n) {
         shuffle(w, order, k);
         for (unsigned i = 0; i < k; i++) {
             const Copy &c = self->copies[self->copies_done + order[i]];
+            check_in_flight(w, *self, c, "completing it");
             memcpy(w.smem + c.dst, c.src, c.src_bytes);
             memset(w.smem + c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
             tsan_read(c.src, c.src_bytes);
