@@ -6,10 +6,11 @@
 //
 // Model: every CUDA thread is a fiber; a block's fibers run on one OS thread, blocks run on a small
 // pool of OS threads. __syncthreads counts arrivals; warp operations meet at a per-warp
-// rendezvous; threads run in a seeded random order between those points. Divergence, deadlock and
-// ldmatrix rows or cp.async destinations outside the shared memory fail the launch
-// (cudaGetLastError) with a message naming the kernel, block, threads and seed; other shared
-// accesses past it are AddressSanitizer's to catch. Environment: ULY_EMU_SEED (replay a
+// rendezvous; threads run in a seeded random order between those points. Divergence, deadlock,
+// ldmatrix rows or cp.async destinations outside the shared memory, and a store to the
+// destination of a cp.async still in flight fail the launch (cudaGetLastError) with a message
+// naming the kernel, block, threads and seed; other shared accesses past it are
+// AddressSanitizer's to catch. Environment: ULY_EMU_SEED (replay a
 // schedule), ULY_EMU_THREADS (OS threads, 1 for gdb), ULY_EMU_STACK_KB (fiber stack size),
 // ULY_EMU_ABORT=1 (abort() at the first failure, to get a backtrace of the failing fiber).
 // Built with -DULY_EMU_TSAN and linked into a program built with -fsanitize=thread, it reports
