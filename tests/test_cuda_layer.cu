@@ -681,45 +681,6 @@ TEST(device_local_allreduce_of_host_memory_waits_for_the_stream) {
               j.st[r].msg, j.got[r]);
 }
 
-/* Device memory given a stream is read and written on that stream: each rank's values are
-   copied into dev on the stream (under the emulator after a 50 ms sleep), so a sum whose copies
-   ran on another stream would add the zeros there and leave dev to the late copy. 70 values: two
-   rounds, 64 and 6. Rank r holds (r + 1) * (i + 1) at i, so every sum is 10 * (i + 1). */
-typedef struct stream_sum_job {
-    uly_status st[4];
-    int64_t wrong[4];
-} stream_sum_job;
-
-static void stream_sum_main(const uly_comm *c, void *user) {
-    stream_sum_job *j = (stream_sum_job *)user;
-    enum { N = 70 };
-    const int r = c->rank;
-    double h[N], *dev, *stage;
-    cudaStream_t s;
-    cudaStreamCreate(&s);
-    for (int i = 0; i < N; i++) h[i] = (r + 1.0) * (i + 1);
-    cudaMalloc((void **)&dev, sizeof h), cudaMalloc((void **)&stage, sizeof h);
-    cudaMemcpy(stage, h, sizeof h, cudaMemcpyHostToDevice);
-    cudaMemset(dev, 0, sizeof h);
-#ifdef ULY_EMU
-    sleep_on_stream(s, 50);
-#endif
-    cudaMemcpyAsync(dev, stage, sizeof h, cudaMemcpyDeviceToDevice, s);
-    j->st[r] = c->allreduce_sum(c->ctx, dev, N, s);
-    cudaStreamSynchronize(s);
-    cudaMemcpy(h, dev, sizeof h, cudaMemcpyDeviceToHost);
-    for (int i = 0; i < N; i++) j->wrong[r] += h[i] != 10.0 * (i + 1);
-    cudaFree(dev), cudaFree(stage);
-    cudaStreamDestroy(s);
-}
-
-TEST(device_local_allreduce_of_device_memory_follows_the_stream) {
-    const stream_sum_job j = run_job<stream_sum_job>(uly_cuda_local_run, 4, stream_sum_main);
-    for (int r = 0; r < 4; r++)
-        CHECK(!j.st[r].code && !j.wrong[r], "rank %d: '%s', %lld of 70 sums wrong", r,
-              j.st[r].msg, (long long)j.wrong[r]);
-}
-
 #ifdef ULY_EMU
 /* alltoallv is ordered on the streams both ways: the copies wait for what each sender queued
    before the call (its send buffer is filled on its stream after a sleep), and what a sender
@@ -853,8 +814,10 @@ TEST(layer_rejects_packed_documents_in_a_batch) {
     check_bad(j, "varlen: q.b must be 1");
 }
 
-/* More than one 64-value chunk of device memory: every value of all 150 summed (rank r holds
-   (r + 1) * (i + 1) at i, so the sum is 10 * (i + 1)). */
+/* Device memory past one 64-value chunk, read and written on the stream given: every value of
+   all 150 summed (rank r holds (r + 1) * (i + 1) at i, so the sum is 10 * (i + 1)). The values
+   are copied into dev on the stream (under the emulator after a 50 ms sleep), so a sum whose
+   copies ran on another stream would add the zeros there and leave dev to the late copy. */
 typedef struct many_job {
     uly_status st[4];
     int64_t wrong[4];
@@ -864,21 +827,26 @@ static void many_main(const uly_comm *c, void *user) {
     many_job *j = (many_job *)user;
     enum { N = 150 };
     const int r = c->rank;
-    double h[N], *dev;
+    double h[N], *dev, *stage;
     cudaStream_t s;
     cudaStreamCreate(&s);
     for (int i = 0; i < N; i++) h[i] = (r + 1.0) * (i + 1);
-    cudaMalloc((void **)&dev, sizeof h);
-    cudaMemcpy(dev, h, sizeof h, cudaMemcpyHostToDevice);
+    cudaMalloc((void **)&dev, sizeof h), cudaMalloc((void **)&stage, sizeof h);
+    cudaMemcpy(stage, h, sizeof h, cudaMemcpyHostToDevice);
+    cudaMemset(dev, 0, sizeof h);
+#ifdef ULY_EMU
+    sleep_on_stream(s, 50);
+#endif
+    cudaMemcpyAsync(dev, stage, sizeof h, cudaMemcpyDeviceToDevice, s);
     j->st[r] = c->allreduce_sum(c->ctx, dev, N, s);
     cudaStreamSynchronize(s);
     cudaMemcpy(h, dev, sizeof h, cudaMemcpyDeviceToHost);
     for (int i = 0; i < N; i++) j->wrong[r] += h[i] != 10.0 * (i + 1);
-    cudaFree(dev);
+    cudaFree(dev), cudaFree(stage);
     cudaStreamDestroy(s);
 }
 
-TEST(device_local_allreduce_of_device_memory_past_one_chunk) {
+TEST(device_local_allreduce_of_device_memory_past_one_chunk_follows_the_stream) {
     const many_job j = run_job<many_job>(uly_cuda_local_run, 4, many_main);
     for (int r = 0; r < 4; r++)
         CHECK(!j.st[r].code && !j.wrong[r], "rank %d: '%s', %lld of 150 sums wrong", r,
