@@ -75,7 +75,8 @@
            uly__tile_load / uly__tile_store    global <-> swizzled shared tile, 16-byte chunks
                                                (the load by cp.async)
            uly__mma_ss / uly__mma_rs           a warp's C += A * B, A from shared memory or
-                                               registers
+                                               registers; uly__mma_ss_n: products of one shape
+                                               at once, on the same fragment addresses
            uly__online_softmax                 FlashAttention's running max and sum, exp2 domain
            uly__softmax_grad                   P = exp(scale * s - lse), dS = P * (dP - Dsum)
        Forward: a block owns BM query rows and streams the key blocks (last first, so only the
@@ -83,7 +84,8 @@
        Backward: a pre-pass computes Dsum = rowsum(dout * out) and clears the fp32 dQ
        accumulator; the main kernel owns BN keys of one kv head, loops over the query blocks of
        every query head of its GQA group (so dK and dV are summed in registers, in a fixed order)
-       and adds dQ into the fp32 accumulator with atomics; a post-pass scales and converts dQ.
+       and adds dQ into the fp32 accumulator with atomics, spread over the k-steps of its dK and
+       dV products; a post-pass scales and converts dQ.
        Deterministic mode replaces the atomics with a second kernel that owns BM query rows and
        recomputes P and dS to sum dQ over the key blocks in order: identical bits run to run,
        about 1.4x the backward's FLOPs. Tile sizes live in one traits table per head dim
@@ -387,18 +389,21 @@ static __device__ __forceinline__ void uly_cp_async(uint32_t smem_addr, const vo
 #endif
 }
 
-// *p += a, p[1] += b, each atomically: one red.global.add.v2.f32 from sm_90 (half the
+// If on: *p += a, p[1] += b, each atomically: one red.global.add.v2.f32 from sm_90 (half the
 // instructions of two scalar adds), two atomicAdd before it. p is global and 8-byte aligned,
 // which sm_90 requires and the emulator checks. Nothing in the kernel reads p back, so no
-// memory clobber.
-static __device__ __forceinline__ void uly_red_add2(float *p, float a, float b) {
+// memory clobber. Off, nothing is read or written: the red is predicated, so a caller's adds
+// need no branch (around branches nvcc rebuilt the address registers that pending reds still
+// had to read, and the warp stalled until they had).
+static __device__ __forceinline__ void uly_red_add2(float *p, float a, float b, bool on = true) {
 #ifdef ULY_EMU
-    uly_emu_red_add2(p, a, b);
+    if (on) uly_emu_red_add2(p, a, b);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b));
+    asm volatile("{\n\t.reg .pred on;\n\tsetp.ne.b32 on, %3, 0;\n\t"
+                 "@on red.global.add.v2.f32 [%0], {%1, %2};\n\t}"
+                 :: "l"(p), "f"(a), "f"(b), "r"((int)on));
 #else
-    atomicAdd(p, a);
-    atomicAdd(p + 1, b);
+    if (on) atomicAdd(p, a), atomicAdd(p + 1, b);
 #endif
 }
 
@@ -1628,29 +1633,53 @@ __device__ __forceinline__ void uly__frag_b(uint32_t f[4], uint32_t s, int n0, i
     else uly__ldsm<W, false, false>(f, s, n0, k0);
 }
 
-/* acc += A * B over k in [0, K): A's rows m0.. from the WA-wide tile sa, B's columns n0.. from
-   the WB-wide tile sb. U k-steps are unrolled (all by default); fewer keep fewer fragment
-   addresses live, where a kernel's accumulators leave little room. */
-template <typename T, int MT, int NT, int K, int WA, bool A_T, int WB, bool B_T, int U = K / 16>
-__device__ __forceinline__ void uly__mma_ss(float (&acc)[MT][NT][4], uint32_t sa, int m0,
-                                            uint32_t sb, int n0) {
+/* acc[q] += A_q * B_q over k in [0, K) for the NP products q: A_q's rows m0.. from the WA-wide
+   tile at sa + q * da, B_q's columns n0.. from the WB-wide tile at sb + q * db. Products of one
+   shape share their fragment addresses, and a warp has NP times the independent MMAs in
+   flight. U k-steps are unrolled (all by default); fewer keep fewer fragment addresses live,
+   where a kernel's accumulators leave little room. each(j) runs after k-step j: work to
+   interleave with the MMAs. */
+struct uly__no_step {
+    __device__ void operator()(int) const {}
+};
+template <typename T, int NP, int MT, int NT, int K, int WA, bool A_T, int WB, bool B_T,
+          int U = K / 16, typename Step = uly__no_step>
+__device__ __forceinline__ void uly__mma_ss_n(float (&acc)[NP][MT][NT][4], uint32_t sa,
+                                              uint32_t da, int m0, uint32_t sb, uint32_t db,
+                                              int n0, Step each = Step()) {
     static_assert(NT % 2 == 0 && K % 16 == 0, "whole ldmatrix.x4 blocks");
 #pragma unroll (U)
     for (int k = 0; k < K; k += 16) {
-        uint32_t a[MT][4];
+        uint32_t a[NP][MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) uly__frag_a<WA, A_T>(a[mt], sa, m0 + 16 * mt, k);
+        for (int q = 0; q < NP; q++)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                uly__frag_a<WA, A_T>(a[q][mt], sa + q * da, m0 + 16 * mt, k);
 #pragma unroll
         for (int nt = 0; nt < NT; nt += 2) {
-            uint32_t b[4];
-            uly__frag_b<WB, B_T>(b, sb, n0 + 8 * nt, k);
+            uint32_t b[NP][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                uly_mma_m16n8k16<T>(acc[mt][nt], a[mt], b, acc[mt][nt]);
-                uly_mma_m16n8k16<T>(acc[mt][nt + 1], a[mt], b + 2, acc[mt][nt + 1]);
-            }
+            for (int q = 0; q < NP; q++) uly__frag_b<WB, B_T>(b[q], sb + q * db, n0 + 8 * nt, k);
+#pragma unroll
+            for (int q = 0; q < NP; q++)
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    uly_mma_m16n8k16<T>(acc[q][mt][nt], a[q][mt], b[q], acc[q][mt][nt]);
+                    uly_mma_m16n8k16<T>(acc[q][mt][nt + 1], a[q][mt], b[q] + 2,
+                                        acc[q][mt][nt + 1]);
+                }
         }
+        each(k / 16);
     }
+}
+
+/* acc += A * B: one product of uly__mma_ss_n. */
+template <typename T, int MT, int NT, int K, int WA, bool A_T, int WB, bool B_T, int U = K / 16>
+__device__ __forceinline__ void uly__mma_ss(float (&acc)[MT][NT][4], uint32_t sa, int m0,
+                                            uint32_t sb, int n0) {
+    uly__mma_ss_n<T, 1, MT, NT, K, WA, A_T, WB, B_T, U>(
+        reinterpret_cast<float (&)[1][MT][NT][4]>(acc), sa, 0, m0, sb, 0, n0);
 }
 
 /* A warp's fp32 C fragments (16*MT x 8*NT) rounded to T as A fragments: the C fragments of
@@ -1981,14 +2010,15 @@ __global__ void __launch_bounds__(ULY__ROW_WARPS * 32) uly__flash_bwd_post(const
 /* Backward main kernel: a block owns BN keys of one kv head; grid (Hkv, B, key blocks), which
    starts the longest blocks first (above uly__fa_query_block). For each query head of the kv
    head's group and each query block that sees these keys:
-       S = Q K^T, dP = dO V^T, then P and dS = P * (dP - Dsum) into shared memory;
-       dV += P^T dO, dK += dS^T Q (in registers), and (DQ_ATOMIC) dQ += dS K into the fp32
-       accumulator.
+       S = Q K^T and dP = dO V^T, then P and dS = P * (dP - Dsum) into shared memory;
+       (DQ_ATOMIC) dQ = dS K, added into the fp32 accumulator while
+       dV += P^T dO and dK += dS^T Q run (in registers).
    Each product has its own warp grid of 32-row blocks (S and dP over (m, n), dK and dV over
    (n, d), dQ over (m, d)), so each operand tile is read by few warps. The alternative, keys as
    the rows of every product so that P^T and dS^T feed dV and dK from registers, has every warp
    read all of Q and dO: at D = 128 that is 1664 ldmatrix.x4 per query block against 1152 here
-   plus 2 * BM * BN stores, and shared-memory bandwidth is what bounds this kernel. */
+   plus 2 * BM * BN stores, and shared-memory traffic is the larger of this kernel's two floors
+   (bench/RESULTS.md). */
 template <typename T, int D, bool DQ_ATOMIC>
 __global__ void __launch_bounds__(uly__fa_traits<D>::bwd_kv::WARPS * 32)
     uly__flash_bwd_kv(const uly__fa_params p) {
@@ -2047,9 +2077,9 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd_kv::WARPS * 32)
     if (iters > 0) load_queries(h_begin, m_begin, 0);
     uly_cp_async_commit();
 
-    float dk[2][KN / 8][4], dv[2][KN / 8][4];
-    uly__frag_zero(dk);
-    uly__frag_zero(dv);
+    float dvk[2][2][KN / 8][4]; /* dV, dK */
+    uly__frag_zero(dvk[0]);
+    uly__frag_zero(dvk[1]);
     int64_t h = h_begin; /* this iteration's query block (h, m0), then the next one's */
     int m0 = m_begin;
     for (int64_t it = 0; it < iters; it++) {
@@ -2064,14 +2094,17 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd_kv::WARPS * 32)
         if (it + 1 < iters) load_queries(h_next, m_next, stage ^ 1);
         uly_cp_async_commit();
 
-        /* At D = 128 dK and dV take 128 of the 255 registers and S and dP 64, so the products
-           unroll 4 k-steps (2 where K = BM) instead of all: the other steps' fragment addresses
-           are recomputed rather than held, and D = 128 fits without spills. */
-        float sc[2][SN / 8][4], dp[2][SN / 8][4];
-        uly__frag_zero(sc);
-        uly__frag_zero(dp);
-        uly__mma_ss<T, 2, SN / 8, D, D, false, D, false, 4>(sc, sQ, sm, sK, sn);
-        uly__mma_ss<T, 2, SN / 8, D, D, false, D, false, 4>(dp, sdO, sm, sV, sn);
+        /* S and dP, then dV and dK, as pairs of products that share their fragment addresses.
+           At D = 128 dK and dV take 128 of the 255 registers and S and dP 64, so S and dP (and
+           dQ) unroll 4 of their 8 k-steps: the other steps' fragment addresses are recomputed
+           rather than held, and D = 128 fits without spills. */
+        float sdp[2][2][SN / 8][4];
+        uly__frag_zero(sdp[0]);
+        uly__frag_zero(sdp[1]);
+        uly__mma_ss_n<T, 2, 2, SN / 8, D, D, false, D, false, 4>(sdp, sQ, sdO - sQ, sm, sK,
+                                                                  sV - sK, sn);
+        float(&sc)[2][SN / 8][4] = sdp[0];
+        float(&dp)[2][SN / 8][4] = sdp[1];
         uly__fa_mask<BN>(sc, p.causal, s.sk, diag, m0, n0, m0 + sm, n0 + sn);
         float2 row[2][2]; /* (lse * log2(e), Dsum) of this thread's rows; past the end P = 0 */
 #pragma unroll
@@ -2087,36 +2120,39 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd_kv::WARPS * 32)
         uly__frag_store<T, BN>(P_tile, sm, sn, sc);
         uly__frag_store<T, BN>(dS_tile, sm, sn, dp);
         __syncthreads(); /* P and dS are complete */
-        uly__mma_ss<T, 2, KN / 8, BM, BN, true, D, true, 2>(dv, sP, kn, sdO, kd);
-        uly__mma_ss<T, 2, KN / 8, BM, BN, true, D, true, 2>(dk, sdS, kn, sQ, kd);
-
+        auto dv_dk = [&](auto each) {
+            uly__mma_ss_n<T, 2, 2, KN / 8, BM, BN, true, D, true>(dvk, sP, sdS - sP, kn, sdO,
+                                                                  sQ - sdO, kd, each);
+        };
         if constexpr (DQ_ATOMIC) {
+            /* dQ = dS K into the fp32 accumulator, by REDs spread over dV and dK's k-steps:
+               issued back to back they filled the memory pipe's queue, and the ldmatrix behind
+               them waited. Every add is an immediate offset from one base. */
             float dq[2][QN / 8][4];
             uly__frag_zero(dq);
             uly__mma_ss<T, 2, QN / 8, BN, BN, false, D, true, 4>(dq, sdS, qm, sK, qd);
-            /* One 64-bit row base per query block; the thread's 4 rows are int offsets from it,
-               and each row's 2 * QN / 8 adds are immediate offsets from one address. */
-            float *acc = p.dq_acc + uly__fa_qrow(p, s, h, m0) * D + qd + uly__frag_col(0);
+            const int r = qm + uly__frag_row(0);
+            float *acc = p.dq_acc + (uly__fa_qrow(p, s, h, m0) + r) * D + qd + uly__frag_col(0);
+            static_assert(BM / 16 == 4, "one k-step of dV and dK per row group of dQ");
+            dv_dk([&](int j) { /* rows 8 j.. of the thread's 32 */
+                const int mt = j >> 1, hf = j & 1;
+                const bool on = m0 + r + 16 * mt + 8 * hf < s.sq;
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    const int r = qm + 16 * mt + uly__frag_row(2 * hf);
-                    if (m0 + r >= s.sq) continue;
-#pragma unroll
-                    for (int nt = 0; nt < QN / 8; nt++)
-                        uly_red_add2(acc + r * D + 8 * nt, dq[mt][nt][2 * hf],
-                                     dq[mt][nt][2 * hf + 1]);
-                }
+                for (int nt = 0; nt < QN / 8; nt++)
+                    uly_red_add2(acc + (16 * mt + 8 * hf) * D + 8 * nt, dq[mt][nt][2 * hf],
+                                 dq[mt][nt][2 * hf + 1], on);
+            });
+        } else {
+            dv_dk(uly__no_step());
         }
         h = h_next, m0 = m_next;
     }
 
-    uly__frag_scale(dk, p.scale);
+    uly__frag_scale(dvk[1], p.scale);
     uly_cp_async_wait_all();
     __syncthreads(); /* every warp is done with K and V: stage dK and dV there */
-    uly__frag_store<T, D>(smem, kn, kd, dk);
-    uly__frag_store<T, D>(smem + BN * D * 2, kn, kd, dv);
+    uly__frag_store<T, D>(smem, kn, kd, dvk[1]);
+    uly__frag_store<T, D>(smem + BN * D * 2, kn, kd, dvk[0]);
     __syncthreads();
     uly__tile_store<BN, D, THREADS>(uly__row<T>(p.dk, s.b, s.k0 + n0, hk), p.dk.ss, s.sk - n0,
                                     smem);
