@@ -1524,14 +1524,23 @@ TEST(host_threads_launch_concurrently) {
     }
 }
 
+// The error of a launch configuration the device cannot run: cudaErrorInvalidValue from CUDA 13's
+// runtime (seen on an H100 with CUDA 13.0), cudaErrorInvalidConfiguration before it.
+static const cudaError_t bad_configuration =
+    CUDART_VERSION >= 13000 ? cudaErrorInvalidValue : cudaErrorInvalidConfiguration;
+
 TEST(bad_launch_configurations_are_refused) {
     int *out = device_zeros<int>(1);
+    cudaError_t e;
     ULY_LAUNCH(count_up, 1, 2048, 0, 0, (float *)nullptr, out);
-    CHECK(launch_error() == cudaErrorInvalidConfiguration, "2048 threads per block launched");
+    CHECK((e = launch_error()) == bad_configuration, "2048 threads per block: %s",
+          cudaGetErrorName(e));
     ULY_LAUNCH(count_up, dim3(1, 70000), 32, 0, 0, (float *)nullptr, out);
-    CHECK(launch_error() == cudaErrorInvalidConfiguration, "grid.y of 70000 launched");
+    CHECK((e = launch_error()) == bad_configuration, "grid.y of 70000: %s",
+          cudaGetErrorName(e));
     ULY_LAUNCH(count_up, dim3(0x80000000u), 32, 0, 0, (float *)nullptr, out);
-    CHECK(launch_error() == cudaErrorInvalidConfiguration, "grid.x of 2^31 launched");
+    CHECK((e = launch_error()) == bad_configuration, "grid.x of 2^31: %s",
+          cudaGetErrorName(e));
     cudaFree(out);
 }
 
@@ -1540,11 +1549,12 @@ TEST(bad_launch_configurations_are_refused) {
 TEST(peek_at_last_error_leaves_the_error_for_get_last_error) {
     int *out = device_zeros<int>(1);
     ULY_LAUNCH(count_up, 1, 2048, 0, 0, (float *)nullptr, out);
-    CHECK(cudaPeekAtLastError() == cudaErrorInvalidConfiguration &&
-              cudaPeekAtLastError() == cudaErrorInvalidConfiguration,
-          "peek cleared the error");
-    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration && cudaGetLastError() == cudaSuccess,
-          "cudaGetLastError after peeks");
+    const cudaError_t p1 = cudaPeekAtLastError(), p2 = cudaPeekAtLastError();
+    CHECK(p1 == bad_configuration && p2 == p1, "peeks: %s, %s", cudaGetErrorName(p1),
+          cudaGetErrorName(p2));
+    const cudaError_t g1 = cudaGetLastError(), g2 = cudaGetLastError();
+    CHECK(g1 == bad_configuration && g2 == cudaSuccess, "gets after peeks: %s, %s",
+          cudaGetErrorName(g1), cudaGetErrorName(g2));
     cudaFree(out);
 }
 

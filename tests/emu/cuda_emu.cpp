@@ -1227,13 +1227,18 @@ cudaError_t take_error() {
     return e;
 }
 
+// A launch configuration the device cannot run: CUDA 13's runtime answers cudaErrorInvalidValue
+// (seen on an H100, CUDA 13.0, driver 580), earlier runtimes cudaErrorInvalidConfiguration.
+constexpr cudaError_t kBadConfiguration =
+    CUDART_VERSION >= 13000 ? cudaErrorInvalidValue : cudaErrorInvalidConfiguration;
+
 cudaError_t check_launch(const uly_emu_grid &g) {
     const dim3 b = g.block, gr = g.grid;
     unsigned long long threads = (unsigned long long)b.x * b.y * b.z;
     if (threads == 0 || threads > 1024 || b.z > 64 || gr.x == 0 || gr.y == 0 || gr.z == 0 ||
         gr.x > 0x7fffffffu || gr.y > 65535 || gr.z > 65535 ||
         (unsigned long long)gr.x * gr.y * gr.z > 0xffffffffull)
-        return cudaErrorInvalidConfiguration;
+        return kBadConfiguration;
     if (g.smem > kSmemDefault) {
         std::lock_guard<std::mutex> lock(attr_m);
         auto it = max_dyn_smem.find(g.fn);
