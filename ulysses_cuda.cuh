@@ -2134,7 +2134,7 @@ __global__ void __launch_bounds__(uly__fa_traits<D>::bwd_kv::WARPS * 32)
             const int r = qm + uly__frag_row(0);
             float *acc = p.dq_acc + (uly__fa_qrow(p, s, h, m0) + r) * D + qd + uly__frag_col(0);
             static_assert(BM / 16 == 4, "one k-step of dV and dK per row group of dQ");
-            dv_dk([&](int j) { /* rows 8 j.. of the thread's 32 */
+            dv_dk([&](int j) { /* the warp's rows 8 j .. 8 j + 7, this thread's r + 8 j */
                 const int mt = j >> 1, hf = j & 1;
                 const bool on = m0 + r + 16 * mt + 8 * hf < s.sq;
 #pragma unroll
