@@ -1672,16 +1672,22 @@ TEST(a_wait_for_a_stalled_stream_aborts_and_names_the_call) {
 
 // b copies what a computes: with the event between them the copy waits for a, without it the
 // copy reads what was there before, as on a GPU whose a is still busy.
+// On stalled stream a, x = 5 and a record of e; b waits for e, then copies x to y.
+static void copy_after_a_stalled_record(cudaStream_t a, cudaStream_t b, cudaEvent_t e, int *x,
+                                        int *y) {
+    uly_emu_stall_stream(a, true);
+    ULY_LAUNCH(scale_add, 1, 1, 0, a, x, 1, 5);
+    cudaEventRecord(e, a);
+    cudaStreamWaitEvent(b, e, 0);
+    cudaMemcpyAsync(y, x, sizeof(int), cudaMemcpyDeviceToDevice, b);
+}
+
 TEST(an_event_orders_work_across_streams_and_its_absence_shows) {
     cudaStream_t a, b;
     cudaEvent_t done;
     cudaStreamCreate(&a), cudaStreamCreate(&b), cudaEventCreate(&done);
     int *x = device_zeros<int>(1), *y = device_zeros<int>(1);
-    uly_emu_stall_stream(a, true);
-    ULY_LAUNCH(scale_add, 1, 1, 0, a, x, 1, 5);
-    cudaEventRecord(done, a);
-    cudaStreamWaitEvent(b, done, 0);
-    cudaMemcpyAsync(y, x, sizeof(int), cudaMemcpyDeviceToDevice, b);
+    copy_after_a_stalled_record(a, b, done, x, y);
     CHECK(not_ready(cudaStreamQuery(b)) && peek(y) == 0, "b went on: y = %d", peek(y));
     uly_emu_stall_stream(a, false);
     CHECK(cudaStreamSynchronize(b) == cudaSuccess && peek(y) == 5, "with the event: y = %d",
@@ -1884,11 +1890,7 @@ TEST(a_stream_waits_for_the_record_before_its_wait_only) {
     int *x = device_zeros<int>(1), *y = device_zeros<int>(1);
     // First: while the record is not reached, b stays behind its wait however long it is given
     // (the sleep gives a b that ignored the wait time to run; the stall decides the outcome).
-    uly_emu_stall_stream(a, true);
-    ULY_LAUNCH(scale_add, 1, 1, 0, a, x, 1, 5);
-    cudaEventRecord(e, a);
-    cudaStreamWaitEvent(b, e, 0);
-    cudaMemcpyAsync(y, x, sizeof(int), cudaMemcpyDeviceToDevice, b);
+    copy_after_a_stalled_record(a, b, e, x, y);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     CHECK(not_ready(cudaStreamQuery(b)), "b went past its wait for an unreached record");
     uly_emu_stall_stream(a, false);
