@@ -512,8 +512,9 @@ static uly_status uly__cuda(cudaError_t e, const char *what) {
    block j holds it densely at element offset off[j]. On the sequence-layout side (pack Q and
    KV, unpack O and DKV) the boxes split the heads and share this rank's tokens; on the
    head-layout side they split the tokens and share this rank's heads. Head ranges are sorted
-   and may overlap (a kv head several ranks need); an unpack writes an overlapping head once,
-   from the first box that holds it, as the sum of its copies. */
+   and may overlap (a kv head several ranks need): the first box that holds such a head handles
+   it for all of them, a pack reading it once and writing every copy, an unpack writing the sum
+   of the copies once. */
 
 /* A grid of at most 2048 blocks of 256 threads (about two waves on an H100) strides over the
    boxes: big enough to keep every SM's memory pipes full, small enough to need no tail. */
@@ -536,38 +537,48 @@ struct uly__boxes {
     int box[ULY_MAX_SP];       /* box[c] being column c's */
 };
 
-/* The first of box j's heads that it writes, counted from its start: summing, the heads it
-   shares with the previous box are that box's. */
-__host__ __device__ __forceinline__ int64_t uly__box_first(const uly__boxes &x, int j,
-                                                           bool summing) {
+/* The first of box j's heads that it handles, counted from its start: where the boxes share
+   heads, those it shares with the previous box are that box's. */
+__host__ __device__ __forceinline__ int64_t uly__box_first(const uly__boxes &x, int j) {
     const int64_t prev_end = j > 0 ? x.start[j - 1] + x.count[j - 1] : 0;
-    return summing && prev_end > x.start[j] ? prev_end - x.start[j] : 0;
+    return x.shared && prev_end > x.start[j] ? prev_end - x.start[j] : 0;
 }
 
 template <typename T, int W> struct alignas(sizeof(T) * W) uly__vec {
     T e[W];
 };
 
-/* Row `row` of block m, element e, as W values. */
+/* Block m's copy of head h at (b, s), from element e of the row: W values. The boxes split
+   the heads and share the tokens. */
 template <typename T, int W>
-__device__ __forceinline__ uly__vec<T, W> uly__block_at(const uly__boxes &x, int m, int64_t row,
-                                                        int64_t e) {
-    return *(const uly__vec<T, W> *)((const T *)x.buf + x.off[m] + row * x.dim + e);
+__device__ __forceinline__ uly__vec<T, W> *uly__copy_at(const uly__boxes &x, int m, int64_t b,
+                                                        int64_t s, int64_t h, int64_t e) {
+    const int64_t row = (b * x.width + s) * x.count[m] + h - x.start[m];
+    return (uly__vec<T, W> *)((T *)x.buf + x.off[m] + row * x.dim + e);
 }
 
-/* The sum of the copies of head h held by boxes j..k-1, at (b, s), element e of the row: fp32
-   in box order, one rounding. */
+/* The end of the boxes j, j + 1, ... that hold head h, box j being one: ranges are sorted,
+   so a later box holds h when it starts at or before it. */
+__device__ __forceinline__ int uly__holders_end(const uly__boxes &x, int j, int64_t h) {
+    int k = j + 1;
+    while (k < x.n && x.start[k] <= h) k++;
+    return k;
+}
+
+/* The sum of the copies of head h held by boxes j..k-1, k >= j + 2, at (b, s), element e of
+   the row: fp32 in box order, one rounding. The first two copies are loaded before either is
+   used, so that their latencies overlap: the loop's loads wait for each other. */
 template <typename T, int W>
 __device__ __forceinline__ uly__vec<T, W> uly__sum_copies(const uly__boxes &x, int j, int k,
                                                           int64_t b, int64_t s, int64_t h,
                                                           int64_t e) {
-    const int64_t bs = b * x.width + s; /* the boxes split heads and share the tokens */
-    uly__vec<T, W> v = uly__block_at<T, W>(x, j, bs * x.count[j] + h - x.start[j], e);
+    uly__vec<T, W> v = *uly__copy_at<T, W>(x, j, b, s, h, e);
+    const uly__vec<T, W> second = *uly__copy_at<T, W>(x, j + 1, b, s, h, e);
     float acc[W];
 #pragma unroll
-    for (int w = 0; w < W; w++) acc[w] = uly__widen(v.e[w]);
-    for (int m = j + 1; m < k; m++) {
-        v = uly__block_at<T, W>(x, m, bs * x.count[m] + h - x.start[m], e);
+    for (int w = 0; w < W; w++) acc[w] = uly__widen(v.e[w]) + uly__widen(second.e[w]);
+    for (int m = j + 2; m < k; m++) {
+        v = *uly__copy_at<T, W>(x, m, b, s, h, e);
 #pragma unroll
         for (int w = 0; w < W; w++) acc[w] += uly__widen(v.e[w]);
     }
@@ -607,21 +618,27 @@ __device__ __forceinline__ void uly__pos_add(uly__pos &p, const uly__pos &d, int
     p.b += d.b + cs;
 }
 
-/* What a launch does: t to the blocks, the blocks to t, or the blocks to t summing the copies
-   of a head several boxes hold (the DKV unpack of shared kv heads). A template parameter, so
-   the plain copies carry none of the sum's registers: 32 a thread, for full occupancy. */
-enum uly__copy_mode { ULY__PACK, ULY__UNPACK, ULY__UNPACK_SUM };
+/* What a launch does: t to the blocks, the blocks to t, or, where several boxes hold a head
+   (kv heads several ranks need), t to every block holding it (the KV pack) or the sum of those
+   blocks' copies to t (the DKV unpack). A template parameter, so the plain copies carry none of
+   the shared heads' registers: 32 a thread, for full occupancy; the fan-out takes 40-48 (5
+   blocks an SM) and the sum 60-64 (4). */
+enum uly__copy_mode { ULY__PACK, ULY__UNPACK, ULY__PACK_FAN, ULY__UNPACK_SUM };
+
+template <int MODE> constexpr int uly__copy_blocks_per_sm() {
+    return MODE == ULY__PACK_FAN ? 5 : MODE == ULY__UNPACK_SUM ? 4 : 8;
+}
 
 /* Grid (blocks, columns): the blocks of column c stride over box x.box[c], W elements an
    access. */
 template <typename T, int W, int MODE>
-__global__ void __launch_bounds__(ULY__COPY_THREADS, MODE == ULY__UNPACK_SUM ? 4 : 8)
+__global__ void __launch_bounds__(ULY__COPY_THREADS, uly__copy_blocks_per_sm<MODE>())
     uly__box_copy(const __grid_constant__ uly__boxes x) {
     typedef uly__vec<T, W> V;
-    const int j = x.box[blockIdx.y]; /* not empty, and with heads of its own to write */
+    const int j = x.box[blockIdx.y]; /* not empty, and with heads of its own */
     const int64_t t0 = x.by_heads ? 0 : x.start[j], nt = x.by_heads ? x.width : x.count[j];
     const int64_t h0 = x.by_heads ? x.start[j] : 0, nh = x.by_heads ? x.count[j] : x.width;
-    const int64_t h_first = uly__box_first(x, j, MODE == ULY__UNPACK_SUM);
+    const int64_t h_first = uly__box_first(x, j);
     const int64_t row_heads = x.merge ? nh : 1, rows = x.merge ? 1 : nh - h_first;
     const int64_t nv = row_heads * x.dim / W; /* accesses per row */
     const T *t = (const T *)x.t + t0 * x.ss + h0 * x.sh;
@@ -636,9 +653,14 @@ __global__ void __launch_bounds__(ULY__COPY_THREADS, MODE == ULY__UNPACK_SUM ? 4
             *bp = *tp;
         } else if constexpr (MODE == ULY__UNPACK) {
             *tp = *bp;
+        } else if constexpr (MODE == ULY__PACK_FAN) { /* one read for every copy */
+            const V v = *tp;
+            *bp = v;
+#pragma unroll 1 /* unrolled, the stores' addresses took 86 registers */
+            for (int m = j + 1, k = uly__holders_end(x, j, h0 + h); m < k; m++)
+                *uly__copy_at<T, W>(x, m, b, s, h0 + h, e) = v;
         } else {
-            int k = j + 1; /* the later boxes that hold this head too */
-            while (k < x.n && x.start[k] <= h0 + h) k++;
+            const int k = uly__holders_end(x, j, h0 + h);
             /* One store of either value: a store in each branch compiles to W narrow ones. */
             *tp = k == j + 1 ? *bp : uly__sum_copies<T, W>(x, j, k, b, s, h0 + h, e);
         }
@@ -665,14 +687,14 @@ static uly__boxes uly__boxes_of(const uly_plan *p, uly_xchg x, int unpack, uly_t
         b.shared |= j > 0 && r.start < b.start[j - 1] + b.count[j - 1];
     }
     b.merge = t.sh == t.d && !b.shared;
-    /* The grid's columns skip the boxes with nothing to write (empty, or summing, all their
-       heads an earlier box's: with MQA every box but the first), so their share of the blocks
-       goes to the boxes that copy. */
+    /* The grid's columns skip the boxes with nothing to do (empty, or all their heads an
+       earlier box's: with MQA every box but the first), so their share of the blocks goes to
+       the boxes that copy. */
     b.cols = 0;
     for (int j = 0; j < b.n; j++) {
         const int64_t nt = b.by_heads ? b.width : b.count[j];
         const int64_t nh = b.by_heads ? b.count[j] : b.width;
-        if (b.batch * nt * b.dim > 0 && nh > uly__box_first(b, j, unpack && b.shared))
+        if (b.batch * nt * b.dim > 0 && nh > uly__box_first(b, j))
             b.box[b.cols++] = j;
     }
     return b;
@@ -695,9 +717,10 @@ static int64_t uly__access_bytes(const uly_tensor &t, const void *buf) {
 
 typedef void (*uly__box_fn)(const uly__boxes);
 template <typename T, int W> static uly__box_fn uly__box_kernel(int mode) {
-    return mode == ULY__PACK     ? uly__box_copy<T, W, ULY__PACK>
-           : mode == ULY__UNPACK ? uly__box_copy<T, W, ULY__UNPACK>
-                                 : uly__box_copy<T, W, ULY__UNPACK_SUM>;
+    return mode == ULY__PACK       ? uly__box_copy<T, W, ULY__PACK>
+           : mode == ULY__UNPACK   ? uly__box_copy<T, W, ULY__UNPACK>
+           : mode == ULY__PACK_FAN ? uly__box_copy<T, W, ULY__PACK_FAN>
+                                   : uly__box_copy<T, W, ULY__UNPACK_SUM>;
 }
 
 /* The kernel moving `bytes` an access (uly__access_bytes). */
@@ -721,7 +744,8 @@ static uly_status uly__launch_boxes(const uly__boxes &b, int64_t bytes, int unpa
         most = uly__max(most, b.batch * b.width * b.count[b.box[c]] * b.dim / w);
     const int64_t blocks = uly__min((most + ULY__COPY_THREADS - 1) / ULY__COPY_THREADS,
                                     uly__max(1, ULY__COPY_BLOCKS / b.cols));
-    const int mode = !unpack ? ULY__PACK : b.shared ? ULY__UNPACK_SUM : ULY__UNPACK;
+    const int mode = b.shared ? (unpack ? ULY__UNPACK_SUM : ULY__PACK_FAN)
+                              : (unpack ? ULY__UNPACK : ULY__PACK);
     const uly__box_fn kernel = uly__box_kernel_of<T>(bytes, mode);
     ULY_LAUNCH(kernel, dim3((unsigned)blocks, (unsigned)b.cols), dim3(ULY__COPY_THREADS), 0, s,
                b);

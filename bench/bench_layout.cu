@@ -67,9 +67,9 @@ static void bench_size(double mb, cudaStream_t s) {
                                       : uly_dense(dense_seq, ULY_BF16, B, Sr, kv ? HKV : H, D))
                            : uly_dense(head, ULY_BF16, B, d.seq_len, kv ? kv_r : heads_r, D);
         const int64_t bytes = c.unpack ? uly_recv_bytes(&plan, c.x) : uly_send_bytes(&plan, c.x);
-        /* Each byte of the buffer and of the view moves once (a kv head packed for two peers
-           is read twice, the second time from L2); the summing unpack reads two copies per
-           head and writes one, 1.5x the buffer where a copy moves 2x. */
+        /* Each byte of the buffer and of the view moves once: the KV pack reads a kv head
+           once and writes its two copies, the summing unpack reads both and writes one, 1.5x
+           the buffer where a copy moves 2x. */
         const int64_t traffic = bytes + t.b * t.s * t.h * t.d * 2;
         const double k = bench_median_ms(s, 3, 20, [&] {
             bench_ok(c.unpack ? l.unpack(l.ctx, &plan, c.x, buf, t, s)

@@ -430,6 +430,7 @@ TEST(pack_and_unpack_allocate_nothing) {
 template <typename T, int W> static bool is_box_copy_w(const void *fn) {
     return fn == (const void *)uly__box_copy<T, W, ULY__PACK> ||
            fn == (const void *)uly__box_copy<T, W, ULY__UNPACK> ||
+           fn == (const void *)uly__box_copy<T, W, ULY__PACK_FAN> ||
            fn == (const void *)uly__box_copy<T, W, ULY__UNPACK_SUM>;
 }
 
@@ -476,11 +477,11 @@ TEST(narrower_rows_and_misaligned_views_take_the_widest_access_they_allow) {
     check_access(&odd, DENSE, b_elem);
 }
 
-/* The grid has a column per box with something to write. P = 4, MQA: every rank's DKV unpack
-   sums the four copies of kv head 0, all in box 0, so one column (before, three of four columns
-   of blocks exited at once). P = 4 with two kv heads, each on two ranks: boxes 0 and 2 write,
-   two columns. Packs and plain unpacks: a column per peer. */
-TEST(summing_unpack_launches_only_the_boxes_that_write) {
+/* The grid has a column per box with something to do. P = 4, MQA: every rank's KV pack writes
+   the four copies of kv head 0 and its DKV unpack sums them, all from box 0, so one column
+   (before, three of four columns of blocks exited at once). P = 4 with two kv heads, each on
+   two ranks: boxes 0 and 2, two columns. The other packs and unpacks: a column per peer. */
+TEST(shared_heads_launch_only_the_boxes_that_copy) {
     const lcase mqa = {4, 3, 9, 4, 1, 3}, pairs = {4, 2, 13, 8, 2, 4};
     for (const lcase *c : {&mqa, &pairs})
         for (int r = 0; r < c->P; r++)
@@ -489,7 +490,8 @@ TEST(summing_unpack_launches_only_the_boxes_that_write) {
                     unsigned long long allocs;
                     const std::vector<uly_emu_op> ops =
                         record_one(c, r, ULY_BF16, (uly_xchg)x, unpack, DENSE, 0, &allocs);
-                    const unsigned want = x == ULY_X_DKV && unpack ? (unsigned)c->Hkv : 4u;
+                    const bool shared = x == (unpack ? ULY_X_DKV : ULY_X_KV);
+                    const unsigned want = shared ? (unsigned)c->Hkv : 4u;
                     CHECK(ops.size() == 1 && ops[0].grid.y == want, "%s %s, Hkv=%lld rank %d: %zu "
                           "launches, grid.y %u, want one with %u", unpack ? "unpack" : "pack",
                           xnames[x], (long long)c->Hkv, r, ops.size(),
