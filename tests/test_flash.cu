@@ -1174,6 +1174,39 @@ TEST(varlen_grids_take_each_max_seqlen) {
     }
 }
 
+/* The query and key rows from `first` on of a varlen result of n rows each (lse [H, n]), as a
+   batch of one. */
+template <typename R> static R rows_from(const R &r, const fcase &c, int64_t n, int64_t first) {
+    const int64_t wq = c.H * c.D, wk = c.Hkv * c.D;
+    R d = r;
+    d.o.assign(r.o.begin() + first * wq, r.o.end());
+    d.dq.assign(r.dq.begin() + first * wq, r.dq.end());
+    d.dk.assign(r.dk.begin() + first * wk, r.dk.end());
+    d.dv.assign(r.dv.begin() + first * wk, r.dv.end());
+    d.lse.clear();
+    for (int64_t h = 0; h < c.H; h++)
+        d.lse.insert(d.lse.end(), r.lse.begin() + h * n + first, r.lse.begin() + (h + 1) * n);
+    return d;
+}
+
+/* A document's last query block runs past its end over the next document's rows, whose dQ the
+   dK/dV kernel must not add to (from finite inputs those adds are zeros, which no other test
+   tells apart). An infinite key in document 0 makes them NaN (0 * inf): document 1's outputs
+   must still match the fp64 reference. */
+TEST(varlen_tail_rows_stay_out_of_the_next_documents_dq) {
+    const std::vector<int> cu = {0, 40, 70};
+    const fcase c = make_case({1, 70, 70, 2, 1, 0}, 64, ULY_BF16);
+    const fcase doc1 = make_case({1, 30, 30, 2, 1, 0}, 64, ULY_BF16);
+    inputs in = make_inputs(c, 70, 70);
+    in.k[3 * c.Hkv * c.D] = INFINITY; /* key 3 of document 0 */
+    const run_out got = run_attn(c, cu, cu, true, in, uly_flash_attention());
+    if (!got.ok) return;
+    const outputs r64 = reference(c, cu, cu, true, in, false);
+    const outputs low = reference(c, cu, cu, true, in, true);
+    check_outputs(doc1, rows_from(got, c, 70, 40), rows_from(r64, c, 70, 40),
+                  rows_from(low, c, 70, 40), NULL);
+}
+
 int main(void) {
 #ifdef ULY_EMU
     /* Twice as many emulator threads as hardware threads (at least 4), unless the caller chose;
