@@ -392,9 +392,9 @@ static __device__ __forceinline__ void uly_cp_async(uint32_t smem_addr, const vo
 // If on: *p += a, p[1] += b, each atomically: one red.global.add.v2.f32 from sm_90 (half the
 // instructions of two scalar adds), two atomicAdd before it. p is global and 8-byte aligned,
 // which sm_90 requires and the emulator checks. Nothing in the kernel reads p back, so no
-// memory clobber. Off, nothing is read or written: the red is predicated, so a caller's adds
-// need no branch (around branches nvcc rebuilt the address registers that pending reds still
-// had to read, and the warp stalled until they had).
+// memory clobber. Off, nothing is read or written. The predicate is the asm's, not a C++ branch:
+// around those nvcc rebuilt the address registers that pending reds still had to read, and the
+// warp stalled until they had. (ptxas still puts a branch around each red: bench/RESULTS.md.)
 static __device__ __forceinline__ void uly_red_add2(float *p, float a, float b, bool on = true) {
 #ifdef ULY_EMU
     if (on) uly_emu_red_add2(p, a, b);
