@@ -22,7 +22,10 @@ CFLAGS   = -std=c99 -O2 -g $(WARN) -I.
 # -g1 (line tables, what a sanitizer's report and a backtrace need) builds the emulated kernels
 # a quarter faster than -g, which a debugger needs to show locals.
 CXXFLAGS = -std=c++17 -O2 -g1 -Wall -Wextra -Werror -I.
-SAN      = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+# The sanitized tests build at -Og, at which GCC compiles an emulated kernel test in two thirds
+# of -O1's time, and which runs it as fast; the emulator and the doubles at -O2 ($(SAN) -O2):
+# the emulator's scheduling is a third of a sanitized kernel test's time.
+SAN      = -Og -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 LDLIBS   = -lm -lpthread
 # Open MPI refuses root unless told; CI runs as root.
 MPIRUN   = OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe
@@ -69,7 +72,7 @@ $(BUILD) $(BUILD)/asan:
 # --- foundation (ulysses.h) ---
 
 # Foundation tests (tests/test_*.c): every C test is built twice, plain in $(BUILD)/ and with
-# $(SAN) (at -O1, quicker to build) in $(BUILD)/asan/, and both run. The MPI test needs mpicc,
+# $(SAN) in $(BUILD)/asan/, and both run. The MPI test needs mpicc,
 # the torch test PyTorch.
 ULY_CTESTS    = test_plan test_layer test_loss test_errors test_dtype test_edges test_torch
 ULY_TEST_DEPS = ulysses.h tests/check.h tests/ref64.h tests/sp_case.h tests/attn_call.h
@@ -83,7 +86,7 @@ $(BUILD)/hdr:
 $(ULY_CTESTS:%=$(BUILD)/%): $(BUILD)/%: tests/%.c $(ULY_TEST_DEPS) | $(BUILD)
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
 $(ULY_CTESTS:%=$(BUILD)/asan/%): $(BUILD)/asan/%: tests/%.c $(ULY_TEST_DEPS) | $(BUILD)/asan
-	$(CC) $(CFLAGS) -O1 $(SAN) -o $@ $< $(LDLIBS)
+	$(CC) $(CFLAGS) $(SAN) -o $@ $< $(LDLIBS)
 
 # Two translation units, one with the implementation; the second also as C++ (extern "C").
 ULY_LINK_SRC   = tests/test_link_a.c tests/test_link_b.c
@@ -91,7 +94,7 @@ ULY_STATIC_SRC = tests/test_static_a.c tests/test_static_b.c
 $(BUILD)/test_link: $(ULY_LINK_SRC) ulysses.h tests/check.h | $(BUILD)
 	$(CC) $(CFLAGS) -o $@ $(ULY_LINK_SRC) $(LDLIBS)
 $(BUILD)/asan/test_link: $(ULY_LINK_SRC) ulysses.h tests/check.h | $(BUILD)/asan
-	$(CC) $(CFLAGS) -O1 $(SAN) -o $@ $(ULY_LINK_SRC) $(LDLIBS)
+	$(CC) $(CFLAGS) $(SAN) -o $@ $(ULY_LINK_SRC) $(LDLIBS)
 $(BUILD)/test_link_cxx: tests/test_link_a.c tests/test_link_b.c ulysses.h tests/check.h | $(BUILD)
 	$(CC) $(CFLAGS) -c -o $@_a.o tests/test_link_a.c
 	$(CXX) $(CXXFLAGS) -Wpedantic -x c++ -c -o $@_b.o tests/test_link_b.c
@@ -100,7 +103,7 @@ $(BUILD)/test_link_cxx: tests/test_link_a.c tests/test_link_b.c ulysses.h tests/
 $(BUILD)/test_static: $(ULY_STATIC_SRC) ulysses.h tests/check.h | $(BUILD)
 	$(CC) $(CFLAGS) -o $@ $(ULY_STATIC_SRC) $(LDLIBS)
 $(BUILD)/asan/test_static: $(ULY_STATIC_SRC) ulysses.h tests/check.h | $(BUILD)/asan
-	$(CC) $(CFLAGS) -O1 $(SAN) -o $@ $(ULY_STATIC_SRC) $(LDLIBS)
+	$(CC) $(CFLAGS) $(SAN) -o $@ $(ULY_STATIC_SRC) $(LDLIBS)
 
 # The header with its implementation compiles as C99 and C++17 under gcc and clang, -Werror.
 ULY_HDR_FLAGS = $(WARN) -I. -c tests/header_check.c
@@ -132,7 +135,7 @@ $(BUILD)/readme_example.c: README.md | $(BUILD)
 	     p && /^```$$/ { exit } p' $< | sed 's/\.seq_len = 8192/.seq_len = 256/' > $@
 	grep -q 'seq_len = 256' $@
 $(BUILD)/readme_example: $(BUILD)/readme_example.c ulysses.h
-	$(CC) $(CFLAGS) -O1 $(SAN) -o $@ $< $(LDLIBS)
+	$(CC) $(CFLAGS) $(SAN) -o $@ $< $(LDLIBS)
 TEST_BINS += $(BUILD)/readme_example
 TESTS     += 'err=$$($(BUILD)/readme_example 2>&1 >/dev/null) && [ -z "$$err" ] && \
               echo "1 passed, 0 failed"'
@@ -150,7 +153,7 @@ ifeq ($(HAVE_MPI),1)
 $(BUILD)/test_mpi: tests/test_mpi.c $(ULY_TEST_DEPS) | $(BUILD)
 	$(MPICC) $(CFLAGS) -o $@ $< $(LDLIBS)
 $(BUILD)/asan/test_mpi: tests/test_mpi.c $(ULY_TEST_DEPS) | $(BUILD)/asan
-	$(MPICC) $(CFLAGS) -O1 $(SAN) -o $@ $< $(LDLIBS)
+	$(MPICC) $(CFLAGS) $(SAN) -o $@ $< $(LDLIBS)
 TEST_BINS += $(BUILD)/test_mpi $(BUILD)/asan/test_mpi
 TESTS += 'timeout 300 env $(MPIRUN) -np 4 $(BUILD)/test_mpi'
 # Open MPI's own allocations are never freed; leaks are checked by the other ASan runs.
@@ -227,13 +230,13 @@ $(EMU_OBJ): tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
 	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
 $(EMU_ASAN_OBJ): tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
+	$(CXX) $(EMU_CXXFLAGS) $(SAN) -O2 -c $< -o $@
 $(BUILD)/test_emu: tests/test_emu.cu $(EMU_HDRS) $(EMU_OBJ)
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
 $(BUILD)/asan/test_emu: tests/test_emu.cu $(EMU_HDRS) $(EMU_ASAN_OBJ)
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
 $(BUILD)/bench_emu: bench/bench_emu.cu $(EMU_HDRS) $(EMU_OBJ)
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
@@ -284,7 +287,7 @@ $(CUDA_TESTS:%=$(BUILD)/%): $(BUILD)/%: tests/%.cu $(CUDA_HDRS) $(EMU_OBJ)
 	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
 $(CUDA_TESTS:%=$(BUILD)/asan/%): $(BUILD)/asan/%: tests/%.cu $(CUDA_HDRS) $(EMU_ASAN_OBJ)
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
 $(CUDA_TESTS:%=$(BUILD)/gpu/%): $(BUILD)/gpu/%: tests/%.cu $(CUDA_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(TESTARCH) -x cu $< -o $@
@@ -297,7 +300,7 @@ $(BUILD)/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/c
 	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -c $< -o $@
 $(BUILD)/asan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(SAN) -c $< -o $@
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) $(SAN) -O2 -c $< -o $@
 # test_nccl is compiled once and linked with the double twice: as it is, and (test_nccl_2_27)
 # as an older library that reports 2.27.7 and has no ncclAlltoAll, which links only because the
 # library's reference to it is weak.
@@ -314,7 +317,7 @@ $(BUILD)/test_nccl_2_27: $(BUILD)/emu/test_nccl.o $(EMU_OBJ) $(BUILD)/emu/nccl_e
 $(BUILD)/asan/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_ASAN_OBJ) \
                          $(BUILD)/asan/emu/nccl_emu.o
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 # The same tests as NCCL before 2.28 runs them: no ncclAlltoAll, every exchange send/recv.
 $(BUILD)/test_nccl_sendrecv: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_OBJ) \
                              $(BUILD)/emu/nccl_emu.o
@@ -369,14 +372,14 @@ $(BUILD)/emu/mpi_emu.o: tests/emu/mpi_emu.cpp tests/emu/mpi/mpi.h
 	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
 $(BUILD)/asan/emu/mpi_emu.o: tests/emu/mpi_emu.cpp tests/emu/mpi/mpi.h
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
+	$(CXX) $(EMU_CXXFLAGS) $(SAN) -O2 -c $< -o $@
 $(BUILD)/emu/sp_attention_nccl: examples/sp_attention_nccl.cu tests/emu/mpi/mpi.h $(CUDA_HDRS) \
                                 $(EMU_OBJ) $(BUILD)/emu/nccl_emu.o $(BUILD)/emu/mpi_emu.o
 	$(CXX) $(EMU_CXXFLAGS) $(EX_EMU_FLAGS) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 $(BUILD)/asan/emu/sp_attention_nccl: examples/sp_attention_nccl.cu tests/emu/mpi/mpi.h \
                                      $(CUDA_HDRS) $(EMU_ASAN_OBJ) $(BUILD)/asan/emu/nccl_emu.o \
                                      $(BUILD)/asan/emu/mpi_emu.o
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) $(EX_EMU_FLAGS) -x c++ $< -x none $(filter %.o,$^) -o $@ \
+	$(CXX) $(EMU_CXXFLAGS) $(SAN) $(EX_EMU_FLAGS) -x c++ $< -x none $(filter %.o,$^) -o $@ \
 	    $(LDLIBS)
 # The MPI double's own test, built as the example is: its collectives, and ranks that enter
 # different ones end the process with a message.
@@ -445,7 +448,7 @@ $(BUILD)/test_flash: tests/test_flash.cu $(FLASH_HDRS) $(EMU_OBJ)
 	$(CXX) $(EMU_CXXFLAGS) -x c++ $< -x none $(EMU_OBJ) -o $@ $(LDLIBS)
 $(BUILD)/asan/test_flash: tests/test_flash.cu $(FLASH_HDRS) $(EMU_ASAN_OBJ)
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(SAN) -x c++ $< -x none $(EMU_ASAN_OBJ) -o $@ $(LDLIBS)
 $(BUILD)/gpu/test_flash: tests/test_flash.cu $(FLASH_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(NVARCH) -Xptxas -v -x cu $< -o $@ 2> $@.ptxas || { cat $@.ptxas; exit 1; }
@@ -456,7 +459,7 @@ $(BUILD)/emu/cublaslt_emu.o: $(LT_EMU_SRC)
 	$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
 $(BUILD)/asan/emu/cublaslt_emu.o: $(LT_EMU_SRC)
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -c $< -o $@
+	$(CXX) $(EMU_CXXFLAGS) $(SAN) -O2 -c $< -o $@
 $(BUILD)/test_cublaslt: tests/test_cublaslt.cu tests/emu/cublaslt_emu.h $(FLASH_HDRS) $(EMU_OBJ) \
                         $(BUILD)/emu/cublaslt_emu.o
 	@mkdir -p $(@D)
@@ -464,7 +467,7 @@ $(BUILD)/test_cublaslt: tests/test_cublaslt.cu tests/emu/cublaslt_emu.h $(FLASH_
 $(BUILD)/asan/test_cublaslt: tests/test_cublaslt.cu tests/emu/cublaslt_emu.h $(FLASH_HDRS) \
                              $(EMU_ASAN_OBJ) $(BUILD)/asan/emu/cublaslt_emu.o
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(SAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 $(BUILD)/gpu/test_cublaslt: tests/test_cublaslt.cu $(FLASH_HDRS)
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCCFLAGS) $(TESTARCH) -x cu $< -o $@ -lcublasLt
@@ -537,7 +540,9 @@ endif
 # or not, tails, GQA, Sq != Sk, deterministic dQ, masked rows, the device-local exchange, and
 # the flash layer over 4 and 3 device-local ranks (split_group: the layer's matrices repeat it
 # over more shapes at 7x the time).
-TSAN          = -fsanitize=thread -fno-omit-frame-pointer
+# -O1, not -Og: an inline function that -Og leaves out of line can be linked from the emulator's
+# uninstrumented copy, and TSan then misses its accesses (test_race fails).
+TSAN          = -O1 -fsanitize=thread -fno-omit-frame-pointer
 EMU_TSAN_OBJ  = $(BUILD)/tsan/emu/cuda_emu.o
 TSAN_CTESTS   = test_layer test_loss test_errors
 TSAN_TESTS    = test_race test_cuda_layout test_cuda_layer test_flash
@@ -546,13 +551,13 @@ TSAN_LAYER    = reference,layer_f32,split_group,device_local,rejects
 
 $(TSAN_CTESTS:%=$(BUILD)/tsan/%): $(BUILD)/tsan/%: tests/%.c $(ULY_TEST_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS) -O1 $(TSAN) -o $@ $< $(LDLIBS)
+	$(CC) $(CFLAGS) $(TSAN) -o $@ $< $(LDLIBS)
 $(EMU_TSAN_OBJ): tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
 	$(CXX) $(EMU_CXXFLAGS) -DULY_EMU_TSAN -c $< -o $@
 $(TSAN_TESTS:%=$(BUILD)/tsan/%): $(BUILD)/tsan/%: tests/%.cu $(CUDA_HDRS) $(EMU_TSAN_OBJ)
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(TSAN) -x c++ $< -x none $(EMU_TSAN_OBJ) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(TSAN) -x c++ $< -x none $(EMU_TSAN_OBJ) -o $@ $(LDLIBS)
 
 TEST_BINS += $(TSAN_CTESTS:%=$(BUILD)/tsan/%) $(TSAN_TESTS:%=$(BUILD)/tsan/%)
 # The longest first: make test ends with the TSan runs, and the other core takes the rest.
@@ -568,20 +573,20 @@ TESTS     += 'ULY_TEST_FILTER=$(TSAN_LAYER) $(BUILD)/tsan/test_cuda_layer'
 # it is a race TSan reports).
 $(BUILD)/tsan/emu/mpi_emu.o: tests/emu/mpi_emu.cpp tests/emu/mpi/mpi.h
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) -O1 $(TSAN) -c $< -o $@
+	$(CXX) $(EMU_CXXFLAGS) $(TSAN) -c $< -o $@
 $(BUILD)/tsan/test_mpi_emu: tests/test_mpi_emu.c tests/emu/mpi/mpi.h $(BUILD)/tsan/emu/mpi_emu.o
-	$(CC) $(CFLAGS) -O1 $(TSAN) -Itests/emu/mpi -Dmain=mpi_emu_main -c $< -o $@.o
+	$(CC) $(CFLAGS) $(TSAN) -Itests/emu/mpi -Dmain=mpi_emu_main -c $< -o $@.o
 	$(CXX) $(TSAN) $@.o $(BUILD)/tsan/emu/mpi_emu.o -o $@ $(LDLIBS)
 TEST_BINS += $(BUILD)/tsan/test_mpi_emu
 TESTS     += '$(BUILD)/tsan/test_mpi_emu -np 4'
 ifeq ($(HAVE_NCCL),1)
 $(BUILD)/tsan/emu/nccl_emu.o: tests/emu/nccl_emu.cpp tests/emu/nccl_emu.h tests/emu/cuda_emu.h
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(TSAN) -c $< -o $@
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) $(TSAN) -c $< -o $@
 $(BUILD)/tsan/test_nccl: tests/test_nccl.cu tests/emu/nccl_emu.h $(CUDA_HDRS) $(EMU_TSAN_OBJ) \
                          $(BUILD)/tsan/emu/nccl_emu.o
 	@mkdir -p $(@D)
-	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) -O1 $(TSAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
+	$(CXX) $(EMU_CXXFLAGS) $(NCCL_INC) $(TSAN) -x c++ $< -x none $(filter %.o,$^) -o $@ $(LDLIBS)
 TEST_BINS += $(BUILD)/tsan/test_nccl
 TESTS     += $(BUILD)/tsan/test_nccl
 endif
