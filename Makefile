@@ -540,8 +540,8 @@ endif
 # or not, tails, GQA, Sq != Sk, deterministic dQ, masked rows, the device-local exchange, and
 # the flash layer over 4 and 3 device-local ranks (split_group: the layer's matrices repeat it
 # over more shapes at 7x the time).
-# -O1, not -Og: an inline function that -Og leaves out of line can be linked from the emulator's
-# uninstrumented copy, and TSan then misses its accesses (test_race fails).
+# -O1, not -Og: at -Og GCC's TSan instrumentation misses loads that go straight into a call's
+# argument (a __nv_bfloat16 from shared memory, in test_race's cp.async race, went unreported).
 TSAN          = -O1 -fsanitize=thread -fno-omit-frame-pointer
 EMU_TSAN_OBJ  = $(BUILD)/tsan/emu/cuda_emu.o
 TSAN_CTESTS   = test_layer test_loss test_errors
