@@ -20,9 +20,9 @@ STRICT   ?= 0
 WARN     = -Wall -Wextra -Wpedantic -Werror
 CFLAGS   = -std=c99 -O2 -g $(WARN) -I.
 # -g1 (line tables, what a sanitizer's report and a backtrace need) builds the emulated kernels
-# a quarter faster than -g, which a debugger needs to show locals. The C++ tests build at -O1, at
-# which GCC compiles an emulated kernel test in two thirds of -O2's time, and which runs it as
-# fast; the sanitized ones at -Og, the same again against -O1. The emulator and the doubles, the
+# a quarter faster than -g, which a debugger needs to show locals. The C++ tests build at -O1 and
+# the sanitized ones at -Og: GCC compiles an emulated kernel test in about two thirds of the time
+# it takes at -O2 and -O1 respectively, and it runs as fast. The emulator and the doubles, the
 # scheduling that is a third of an emulated kernel test's time, build at -O2 (the rules say so).
 CXXFLAGS = -std=c++17 -O1 -g1 -Wall -Wextra -Werror -I.
 SAN      = -Og -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -72,8 +72,7 @@ $(BUILD) $(BUILD)/asan:
 # --- foundation (ulysses.h) ---
 
 # Foundation tests (tests/test_*.c): every C test is built twice, plain in $(BUILD)/ and with
-# $(SAN) in $(BUILD)/asan/, and both run. The MPI test needs mpicc,
-# the torch test PyTorch.
+# $(SAN) in $(BUILD)/asan/, and both run. The MPI test needs mpicc, the torch test PyTorch.
 ULY_CTESTS    = test_plan test_layer test_loss test_errors test_dtype test_edges test_torch
 ULY_TEST_DEPS = ulysses.h tests/check.h tests/ref64.h tests/sp_case.h tests/attn_call.h
 ULY_TORCH_RUN = $(PYTHON) tests/torch_attention.py
