@@ -1670,8 +1670,6 @@ TEST(a_wait_for_a_stalled_stream_aborts_and_names_the_call) {
     }
 }
 
-// b copies what a computes: with the event between them the copy waits for a, without it the
-// copy reads what was there before, as on a GPU whose a is still busy.
 // On stalled stream a, x = 5 and a record of e; b waits for e, then copies x to y.
 static void copy_after_a_stalled_record(cudaStream_t a, cudaStream_t b, cudaEvent_t e, int *x,
                                         int *y) {
@@ -1682,6 +1680,8 @@ static void copy_after_a_stalled_record(cudaStream_t a, cudaStream_t b, cudaEven
     cudaMemcpyAsync(y, x, sizeof(int), cudaMemcpyDeviceToDevice, b);
 }
 
+// b copies what a computes: with the event between them the copy waits for a, without it the
+// copy reads what was there before, as on a GPU whose a is still busy.
 TEST(an_event_orders_work_across_streams_and_its_absence_shows) {
     cudaStream_t a, b;
     cudaEvent_t done;
